@@ -1,0 +1,27 @@
+"""asyncpipe: pipeline-parallel training of PyTorch models across processes.
+
+Example:
+    >>> import asyncpipe                                                   # doctest: +SKIP
+    >>> asyncpipe.init()                                                   # doctest: +SKIP
+    >>> pipe = asyncpipe.AsyncPipe(model, balance=[4, 3, 3, 4], chunks=8)  # doctest: +SKIP
+    >>> loss = pipe.step(x, y, loss_fn)                                    # doctest: +SKIP
+"""
+
+from . import partition, schedule, transport
+from .failure import StageFailure, StepReport
+from .group import init
+from .lazy import LazyModule
+from .pipe import AsyncPipe
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsyncPipe",
+    "LazyModule",
+    "StageFailure",
+    "StepReport",
+    "init",
+    "partition",
+    "schedule",
+    "transport",
+]

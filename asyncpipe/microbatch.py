@@ -1,0 +1,61 @@
+"""Micro-batches: split a mini-batch along dim 0 and put the outputs back together."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+__all__: list[str] = []
+
+Tensors = tuple[Tensor, ...]
+
+
+def as_tensors(value: object, what: str) -> Tensors:
+    """A tensor or tuple/list of tensors as a tuple; a clear TypeError for anything else."""
+    if isinstance(value, Tensor):
+        return (value,)
+    if isinstance(value, (tuple, list)) and value and all(isinstance(v, Tensor) for v in value):
+        return tuple(value)
+    if isinstance(value, (tuple, list)):
+        bad = [f"{n}: {type(v).__name__}" for n, v in enumerate(value) if not isinstance(v, Tensor)]
+        detail = ", ".join(bad) if bad else "an empty tuple"
+        raise TypeError(
+            f"{what} must be a tensor or a tuple of tensors (got {detail}); pass other values "
+            f"through layer attributes, or convert them to tensors"
+        )
+    raise TypeError(
+        f"{what} must be a tensor or a tuple of tensors (got {type(value).__name__}); "
+        f"convert it with torch.as_tensor"
+    )
+
+
+def scatter(batch: Tensors, chunks: int, what: str = "input") -> list[Tensors]:
+    """Split every tensor of ``batch`` into at most ``chunks`` micro-batches along dim 0.
+
+    Sizes follow ``torch.chunk``: all but the last are ``ceil(n / chunks)``; a batch of fewer
+    than ``chunks`` rows gives fewer micro-batches.
+
+    Example:
+        >>> [t[0].shape[0] for t in scatter((torch.zeros(10, 3),), 4)]
+        [3, 3, 3, 1]
+    """
+    sizes = {t.shape[0] if t.dim() > 0 else -1 for t in batch}
+    if -1 in sizes:
+        raise ValueError(f"every tensor of the {what} needs a batch dimension (dim 0) to split")
+    if len(sizes) != 1:
+        raise ValueError(
+            f"every tensor of the {what} must have the same size in dim 0 to be split into "
+            f"micro-batches (sizes: {[t.shape[0] for t in batch]})"
+        )
+    if 0 in sizes:
+        raise ValueError(f"the {what} is empty along dim 0; pass at least one sample")
+    pieces = [torch.chunk(t, chunks, dim=0) for t in batch]
+    return [tuple(piece[i] for piece in pieces) for i in range(len(pieces[0]))]
+
+
+def gather(outputs: Sequence[Tensors]) -> Tensors:
+    """Concatenate per-micro-batch outputs along dim 0 (the inverse of :func:`scatter`)."""
+    width = len(outputs[0])
+    return tuple(torch.cat([out[n] for out in outputs], dim=0) for n in range(width))

@@ -1,0 +1,431 @@
+"""AsyncPipe: the user's handle on one rank's part of a pipeline-parallel model."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from .failure import StageFailure, StepReport
+from .lazy import LazyModule
+from .microbatch import Tensors, as_tensors, gather, scatter
+from .partition import Layer, Partition, Segment, partition
+from .recompute import POLICIES
+from .runtime import LossFn, Runtime, Work, unwrap
+from .schedule import Action, Kind
+from .transport import P2PTransport, Transport
+
+__all__: list[str] = []
+
+SCHEDULES = ("gpipe",)
+_FORWARD_KINDS = (Kind.FORWARD, Kind.SEND_F, Kind.RECV_F)
+
+
+def _is_forward(action: Action) -> bool:
+    return action.kind in _FORWARD_KINDS
+
+
+def _is_backward(action: Action) -> bool:
+    return action.kind not in _FORWARD_KINDS
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _suggest(layers: int, stages: int) -> list[int]:
+    base, extra = divmod(layers, max(stages, 1))
+    return [base + (1 if s < extra else 0) for s in range(stages)]
+
+
+def check_arguments(
+    module: object, balance: object, chunks: object, checkpoint: object, schedule: object
+) -> list[Layer]:
+    """Every problem with the constructor's arguments at once, as one ValueError/TypeError."""
+    problems: list[str] = []
+    kinds: list[type[Exception]] = []
+    layers: list[Layer] = []
+    if isinstance(module, nn.Sequential):
+        layers = list(iter(module))
+    elif isinstance(module, (list, tuple)):
+        bad = [
+            f"{n}: {type(m).__name__}"
+            for n, m in enumerate(module)
+            if not isinstance(m, (nn.Module, LazyModule))
+        ]
+        if bad:
+            problems.append(
+                "every item of a layer list must be an nn.Module or a LazyModule (" +
+                ", ".join(bad) + "); wrap builders as LazyModule(lambda: layer)"
+            )
+            kinds.append(TypeError)
+        layers = list(module)
+    else:
+        problems.append(
+            f"module must be an nn.Sequential or a list of nn.Module/LazyModule (got "
+            f"{type(module).__name__}); wrap your layers with nn.Sequential(...)"
+        )
+        kinds.append(TypeError)
+    if module is not None and not layers and not problems:
+        problems.append("module has no layers; a pipeline needs at least one layer per stage")
+        kinds.append(ValueError)
+
+    if not isinstance(balance, (list, tuple)) or not balance:
+        problems.append(
+            f"balance must be a non-empty list of positive ints, one per stage (got {balance!r}); "
+            f"e.g. balance={_suggest(len(layers), 2)}"
+        )
+        kinds.append(TypeError)
+    else:
+        bad = [f"{n}: {b!r}" for n, b in enumerate(balance) if not _positive_int(b)]
+        if bad:
+            problems.append(
+                f"every entry of balance must be a positive int, the number of layers of a stage "
+                f"(bad entries: {', '.join(bad)})"
+            )
+            kinds.append(ValueError)
+        elif layers and sum(balance) != len(layers):
+            problems.append(
+                f"sum of balance must equal the number of layers (layers: {len(layers)}, sum of "
+                f"balance: {sum(balance)}); pass balance={_suggest(len(layers), len(balance))}"
+            )
+            kinds.append(ValueError)
+    if not _positive_int(chunks):
+        problems.append(
+            f"chunks must be a positive int, the number of micro-batches (got {chunks!r})"
+        )
+        kinds.append(ValueError)
+    if checkpoint not in POLICIES:
+        problems.append(
+            f"checkpoint must be one of {', '.join(POLICIES)} (got {checkpoint!r})"
+        )
+        kinds.append(ValueError)
+    if schedule not in SCHEDULES:
+        problems.append(f"schedule must be one of {', '.join(SCHEDULES)} (got {schedule!r})")
+        kinds.append(ValueError)
+    if problems:
+        text = "; ".join(problems) if len(problems) == 1 else "\n  - ".join(
+            ["invalid AsyncPipe arguments:", *problems]
+        )
+        raise (TypeError if TypeError in kinds and ValueError not in kinds else ValueError)(text)
+    return layers
+
+
+class _GatherOutputs(torch.autograd.Function):
+    """Joins the last stage's micro-batch outputs; its backward runs the rest of the plan::
+
+        outputs[0..M-1] ──cat──> output ──user's loss──> loss
+        loss.backward() ──> split grads ──> runtime runs 1B0..1B(M-1), sends grads upstream
+    """
+
+    @staticmethod
+    def forward(ctx: Any, pipe: AsyncPipe, sizes: list[int], *outputs: Tensor) -> Any:
+        ctx.pipe, ctx.sizes = pipe, sizes
+        return tuple(o.detach().clone() for o in outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> Any:
+        pipe: AsyncPipe = ctx.pipe
+        split = [torch.split(g, ctx.sizes) if g is not None else None for g in grads]
+        per_mb: list[tuple[Tensor | None, ...]] = [
+            tuple(None if s is None else s[i] for s in split) for i in range(len(ctx.sizes))
+        ]
+        pipe._backward_phase(per_mb)
+        return (None, None) + (None,) * len(grads)
+
+
+class AsyncPipe(nn.Module):
+    """One rank's part of a model split into pipeline stages that run in separate processes.
+
+    Every process of the pipeline builds ``AsyncPipe`` with the same arguments; each keeps only
+    the layers of its own stage (the caller's objects, not copies) and runs the plan of its
+    rank, streaming ``chunks`` micro-batches through the stages.
+
+    Args:
+        module: an ``nn.Sequential``, or a list of ``nn.Module`` / ``LazyModule`` (built only
+            on the rank that owns it). A layer object listed twice is owned by the stage of its
+            first position and runs there at every position (shared weights).
+        balance: layers per stage, counting positions in ``module`` (a reused layer counts at
+            each position); one entry per pipeline rank.
+        chunks: micro-batches per mini-batch (fewer if the batch has fewer rows).
+        checkpoint: ``"always"``, ``"except_last"`` (default) or ``"never"``: which
+            micro-batches recompute their activations in backward instead of keeping them.
+        schedule: ``"gpipe"`` (fill-drain).
+        transport: ``"p2p"`` (torch.distributed send/recv) or a ``Transport`` object.
+        timeout: seconds any wait for another rank may take before it fails naming that rank.
+        device: device of received tensors (default: CPU, or the current CUDA device with
+            NCCL).
+
+    Example:
+        >>> import asyncpipe, torch                                  # doctest: +SKIP
+        >>> asyncpipe.init()                                         # doctest: +SKIP
+        >>> model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+        >>> pipe = asyncpipe.AsyncPipe(model, balance=[2, 2], chunks=4)  # doctest: +SKIP
+        >>> loss = pipe.step(x, y, torch.nn.functional.mse_loss)     # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        module: nn.Sequential | Sequence[nn.Module | LazyModule],
+        balance: Sequence[int],
+        chunks: int = 1,
+        checkpoint: str = "except_last",
+        *,
+        schedule: str = "gpipe",
+        transport: str | Transport = "p2p",
+        timeout: float = 300.0,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        layers = check_arguments(module, balance, chunks, checkpoint, schedule)
+        problems = []
+        if not (isinstance(timeout, (int, float)) and timeout > 0):
+            problems.append(f"timeout must be a positive number of seconds (got {timeout!r})")
+        if isinstance(transport, str):
+            if transport != "p2p":
+                problems.append(
+                    f"transport must be 'p2p' or a Transport object (got {transport!r})"
+                )
+            elif not dist.is_initialized():
+                problems.append(
+                    "the p2p transport needs torch.distributed: call asyncpipe.init() first and "
+                    "launch with torchrun, e.g. torchrun --standalone --nproc-per-node="
+                    f"{len(balance)} train.py"
+                )
+        elif not isinstance(transport, Transport):
+            problems.append(
+                f"transport must be 'p2p' or a Transport object (got {type(transport).__name__})"
+            )
+        if problems:
+            raise ValueError("; ".join(problems))
+        if device is None:
+            use_cuda = dist.is_initialized() and dist.get_backend() == "nccl"
+            device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else None
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        if isinstance(transport, str):
+            transport = P2PTransport(device=self.device)
+        if transport.world_size != len(balance):
+            fix = (
+                f"launch {len(balance)} processes (torchrun --nproc-per-node={len(balance)})"
+                if transport.world_size > len(balance)
+                else f"give balance {transport.world_size} entries"
+            )
+            raise ValueError(
+                f"balance must have one entry per pipeline rank (ranks: {transport.world_size}, "
+                f"entries in balance: {len(balance)}); {fix}. Extra ranks for data parallelism "
+                f"are not supported yet"
+            )
+        self.transport = transport
+        self.balance = list(balance)
+        self.chunks = int(chunks)
+        self.checkpoint = checkpoint
+        self.schedule = schedule
+        self.timeout = float(timeout)
+        self.stage = transport.rank
+        self.num_stages = len(balance)
+        partitions, segments = partition(layers, balance)
+        self.partitions: list[Partition] = partitions
+        self.segments: list[Segment] = segments
+        mine = partitions[self.stage]
+        built = [layer.build() if isinstance(layer, LazyModule) else layer for layer in mine.layers]
+        self.layers = nn.ModuleList(built)
+        local = {
+            seg.index: [self.layers[inv.this.index] for inv in seg.invocations]
+            for seg in segments
+            if seg.stage == self.stage
+        }
+        self._runtime = Runtime(
+            self.stage, local, [seg.stage for seg in segments], transport, self.timeout,
+            self.device,
+        )
+        self._last_segment = len(segments) - 1
+        self._first_rank = segments[0].stage
+        self._last_rank = segments[-1].stage
+        self._pending: Work | None = None
+        self._broken: StageFailure | None = None
+        self.last_step: StepReport | None = None
+
+    # ----- the local layers --------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        return iter(self.layers)
+
+    def __getitem__(self, index: int) -> nn.Module:
+        return self.layers[index]
+
+    @property
+    def is_first_stage(self) -> bool:
+        """Whether this rank reads the input (it runs the first layer)."""
+        return self.stage == self._first_rank
+
+    @property
+    def is_last_stage(self) -> bool:
+        """Whether this rank computes the loss (it runs the last layer)."""
+        return self.stage == self._last_rank
+
+    # ----- running -----------------------------------------------------------------------
+
+    def _guard(self) -> None:
+        if self._broken is not None:
+            raise RuntimeError(
+                f"this pipeline failed in an earlier call ({self._broken}); its ranks may hold "
+                f"messages of that call, so build a new process group and AsyncPipe (or restart "
+                f"the job) to go on"
+            ) from self._broken
+
+    def _run(
+        self, prepare: Callable[[int | None], Work], phase: Callable[[Action], bool] | None = None,
+        resume: Work | None = None,
+    ) -> Work:
+        self._guard()
+        try:
+            work, report = self._runtime.run(prepare, phase or (lambda a: True), resume=resume)
+        except StageFailure as e:
+            self._broken = e
+            raise
+        except BaseException as e:
+            self._broken = StageFailure(str(e), rank=self.stage, stage=-1, microbatch=-1, action="")
+            raise
+        self.last_step = report
+        return work
+
+    def _scatter(self, value: object, what: str, microbatches: int | None) -> list[Tensors]:
+        if value is None:
+            raise ValueError(
+                f"the {what} is needed on stage {self.stage}, which runs the "
+                f"{'first' if what == 'input' else 'last'} layer; pass it there (other stages "
+                f"may pass None)"
+            )
+        pieces = scatter(as_tensors(value, f"the {what}"), self.chunks, what)
+        if microbatches is not None and len(pieces) != microbatches:
+            raise ValueError(
+                f"the {what} splits into {len(pieces)} micro-batches but the input split into "
+                f"{microbatches}; input and target must have the same batch size"
+            )
+        return pieces
+
+    def _prepare(
+        self, input: object, target: object, loss_fn: LossFn | None, train: bool,
+    ) -> Callable[[int | None], Work]:
+        def prepare(microbatches: int | None) -> Work:
+            inputs = targets = None
+            if self.is_first_stage:
+                inputs = self._scatter(input, "input", None)
+                microbatches = len(inputs)
+            if self.is_last_stage and loss_fn is not None:
+                targets = self._scatter(target, "target", microbatches)
+                microbatches = len(targets)
+            assert microbatches is not None
+            policy = self.checkpoint if self.training else "never"
+            return Work(
+                microbatches, train, inputs=inputs, targets=targets, loss_fn=loss_fn,
+                policy=policy,
+            )
+
+        return prepare
+
+    def step(self, input: object, target: object, loss_fn: LossFn) -> float:
+        """Forward and backward of one mini-batch through the whole pipeline.
+
+        Call it on every rank with the same chunks. ``input`` (a tensor or tuple of tensors) is
+        read on the first stage and ``target`` on the last; other ranks may pass ``None``.
+        ``loss_fn(output, target)`` runs on the last stage for each micro-batch; each loss is
+        divided by the number of micro-batches before its backward, so the local parameters
+        end up with the gradients of the mean micro-batch loss.
+
+        Returns:
+            the mean micro-batch loss, on every rank.
+
+        Raises:
+            StageFailure: on every rank, if any stage failed (it names the stage, micro-batch
+                and action).
+
+        Example:
+            >>> loss = pipe.step(x, y, torch.nn.functional.cross_entropy)  # doctest: +SKIP
+            >>> optimizer.step()                                           # doctest: +SKIP
+        """
+        if not torch.is_grad_enabled():
+            raise RuntimeError(
+                "step() computes gradients, but gradients are disabled here; call it outside "
+                "torch.no_grad(), or use pipe(input) for inference"
+            )
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable (got {type(loss_fn).__name__})")
+        work = self._run(self._prepare(input, target, loss_fn, train=True))
+        return work.loss_sum / work.microbatches
+
+    def forward(self, input: object = None) -> Any:
+        """Run the forward of one mini-batch through the pipeline (fairscale's style).
+
+        On the last stage it returns the gathered output (a tensor, or a tuple), connected to
+        autograd: a ``backward()`` through it runs the backward of every micro-batch and sends
+        gradients upstream. The other stages get their local output (detached) and must call
+        :meth:`back_helper` with it to take part in the backward. Under ``torch.no_grad()`` or
+        in ``eval()`` mode this is a pure inference pipeline: nobody waits for gradients.
+
+        Example:
+            >>> out = pipe(x)                                     # doctest: +SKIP
+            >>> if pipe.is_last_stage:                            # doctest: +SKIP
+            ...     loss_fn(out, y).backward()
+            ... else:
+            ...     pipe.back_helper(out)
+        """
+        if self._pending is not None:
+            raise RuntimeError(
+                "the previous forward still waits for its backward: call backward() on the "
+                "last stage's output and back_helper(output) on the other stages first"
+            )
+        train = self.training and torch.is_grad_enabled()
+        prepare = self._prepare(input, None, None, train=train)
+        work = self._run(prepare, _is_forward if train else None)
+        last = self._last_segment if self.is_last_stage else max(self._runtime.segments)
+        outputs = [work.outputs[(last, i)] for i in range(work.microbatches)]
+        if not train:
+            return unwrap(gather(outputs))
+        self._pending = work
+        if not self.is_last_stage:
+            return unwrap(gather([tuple(t.detach() for t in out) for out in outputs]))
+        sizes = [out[0].shape[0] for out in outputs]
+        joined = gather(outputs)
+        return unwrap(_GatherOutputs.apply(self, sizes, *joined))
+
+    def _backward_phase(self, output_grads: list[tuple[Tensor | None, ...]] | None) -> None:
+        work, self._pending = self._pending, None
+        if work is None:
+            raise RuntimeError(
+                "there is no forward waiting for its backward: call pipe(input) first"
+            )
+        work.output_grads = output_grads
+        started = time.perf_counter()
+        self._run(lambda m: work, _is_backward, resume=work)
+        if self.last_step is not None:
+            self.last_step = StepReport(
+                time.perf_counter() - started, self.last_step.busy_seconds, self.last_step.events
+            )
+
+    def back_helper(self, output: object = None) -> None:
+        """Take part in the backward of the last :meth:`forward` on a stage other than the last.
+
+        Example:
+            >>> out = pipe(x)              # doctest: +SKIP
+            >>> pipe.back_helper(out)      # doctest: +SKIP
+        """
+        if self.is_last_stage:
+            raise RuntimeError(
+                "back_helper() is for the stages before the last; on the last stage call "
+                "backward() on a loss computed from the output of pipe(input)"
+            )
+        self._backward_phase(None)
+
+    def extra_repr(self) -> str:
+        return (
+            f"stage={self.stage}/{self.num_stages}, balance={self.balance}, chunks={self.chunks}, "
+            f"checkpoint={self.checkpoint!r}, schedule={self.schedule!r}"
+        )

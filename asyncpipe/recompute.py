@@ -1,0 +1,56 @@
+"""Activation checkpointing: which micro-batches drop their activations, and replaying RNG.
+
+A checkpointed forward runs under ``torch.no_grad()`` and keeps only its inputs and the random
+number generator state; its backward first runs the forward again with that state restored, so
+dropout masks match, then back-propagates::
+
+    forward    inputs ──F (no graph)──> outputs          keep: inputs, RNG state
+    backward   inputs ──F (graph, same RNG)──> outputs ──backward──> input and weight grads
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+__all__: list[str] = []
+
+POLICIES = ("always", "except_last", "never")
+
+
+def checkpointed(policy: str, microbatch: int, microbatches: int) -> bool:
+    """Whether ``microbatch`` drops its activations under ``policy``."""
+    if policy == "always":
+        return True
+    if policy == "except_last":
+        return microbatch < microbatches - 1
+    return False
+
+
+@dataclass(frozen=True)
+class RNGState:
+    """The CPU generator state and, where CUDA is in use, the current device's state."""
+
+    cpu: torch.Tensor
+    cuda: torch.Tensor | None
+    device: int | None
+
+    @classmethod
+    def save(cls, device: torch.device) -> RNGState:
+        if device.type == "cuda":
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            return cls(torch.get_rng_state(), torch.cuda.get_rng_state(index), index)
+        return cls(torch.get_rng_state(), None, None)
+
+    @contextmanager
+    def restored(self) -> Iterator[None]:
+        """Run the body with this state, then put the generators back as they were."""
+        devices = [] if self.device is None else [self.device]
+        with torch.random.fork_rng(devices=devices):
+            torch.set_rng_state(self.cpu)
+            if self.cuda is not None and self.device is not None:
+                torch.cuda.set_rng_state(self.cuda, self.device)
+            yield

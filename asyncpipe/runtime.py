@@ -1,0 +1,405 @@
+"""The runtime: one per rank, it executes exactly its row of the lowered plan.
+
+Each action kind has a handler. Segment boundaries always cut the autograd graph: a segment's
+inputs are fresh leaves, its backward is an explicit ``torch.autograd.backward`` on its outputs,
+and the gradients of its inputs travel to the previous segment (by message, or by hand when that
+segment is on the same rank)::
+
+    seg s-1 ──outputs──> [RECV_F] inputs(leaves) ──F──> outputs ──> [SEND_F] seg s+1
+    seg s-1 <──x.grad── [SEND_B] inputs.grad <──B── grads of outputs <── [RECV_B] seg s+1
+
+Every step ends with an exchange of status among the ranks, so a failure anywhere reaches all.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+from torch.autograd.profiler import record_function
+
+from .failure import StageFailure, StepReport
+from .microbatch import Tensors, as_tensors
+from .recompute import RNGState, checkpointed
+from .schedule import Action, Kind, forward_only, gpipe, lower, validate
+from .transport import Message, PendingRecv, Transport
+
+__all__: list[str] = []
+
+Grads = tuple[Tensor | None, ...]
+LossFn = Callable[[object, object], Tensor]
+_KINDS = list(Kind)
+_OK, _FAILED, _RELAYED = 0.0, 1.0, 2.0
+
+
+def unwrap(tensors: Tensors) -> object:
+    """A single tensor as itself, several as a tuple: what the next layer is called with."""
+    return tensors[0] if len(tensors) == 1 else tensors
+
+
+def leaves(tensors: Sequence[Tensor]) -> Tensors:
+    """Detached copies that start a new graph, asking for gradients where the input did."""
+    out = []
+    for t in tensors:
+        leaf = t.detach()
+        if t.requires_grad and t.is_floating_point():
+            leaf.requires_grad_(True)
+        out.append(leaf)
+    return tuple(out)
+
+
+@dataclass
+class Work:
+    """What one step needs: inputs, targets and the state of every micro-batch in flight."""
+
+    microbatches: int
+    train: bool
+    inputs: list[Tensors] | None = None
+    targets: list[Tensors] | None = None
+    loss_fn: LossFn | None = None
+    output_grads: list[Grads] | None = None
+    policy: str = "never"
+    feed: dict[tuple[int, int], Tensors] = field(default_factory=dict)
+    saved: dict[tuple[int, int], Tensors] = field(default_factory=dict)
+    outputs: dict[tuple[int, int], Tensors] = field(default_factory=dict)
+    rng: dict[tuple[int, int], RNGState] = field(default_factory=dict)
+    grads: dict[tuple[int, int], Grads] = field(default_factory=dict)
+    losses: dict[int, Tensor] = field(default_factory=dict)
+    pending: dict[Action, PendingRecv] = field(default_factory=dict)
+    loss_sum: float = 0.0
+
+
+class Failed(Exception):
+    """Internal: carries what failed, where, for the status exchange."""
+
+    def __init__(
+        self, text: str, stage: int, microbatch: int, action: str, source: int | None = None
+    ) -> None:
+        super().__init__(text)
+        self.text, self.stage, self.microbatch = text, stage, microbatch
+        self.action, self.source = action, source
+
+    @property
+    def relayed(self) -> bool:
+        return self.source is not None
+
+
+class Runtime:
+    """Runs the local segments of one rank.
+
+    Args:
+        rank: this rank in the pipeline.
+        segments: for each local segment index, the callables it applies in order.
+        owners: the rank of every segment (index = segment).
+        transport: how messages travel.
+        timeout: seconds any wait may take before it fails naming the peer.
+        device: where this rank computes (for RNG state).
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        segments: dict[int, list[Callable[[object], object]]],
+        owners: list[int],
+        transport: Transport,
+        timeout: float,
+        device: torch.device,
+    ) -> None:
+        self.rank, self.segments, self.owners = rank, segments, owners
+        self.transport, self.timeout = transport, timeout
+        self.device = device
+        self.last = len(owners) - 1
+        self._plans: dict[tuple[int, bool], list[Action]] = {}
+        self.handlers: dict[Kind, Callable[[Work, Action], None]] = {
+            Kind.FORWARD: self.forward,
+            Kind.BACKWARD: self.backward,
+            Kind.SEND_F: self.send_forward,
+            Kind.SEND_B: self.send_backward,
+            Kind.RECV_F: self.recv,
+            Kind.RECV_B: self.recv,
+        }
+
+    # ----- plans -------------------------------------------------------------------------
+
+    def plan(self, microbatches: int, train: bool) -> list[Action]:
+        """This rank's row of the lowered plan (validated once per configuration)."""
+        key = (microbatches, train)
+        if key not in self._plans:
+            plan = lower(gpipe(len(self.owners), microbatches, ranks=self.owners))
+            if not train:
+                plan = forward_only(plan)
+            validate(plan)
+            self._plans[key] = [a for a in plan[self.rank] if a is not None]
+        return self._plans[key]
+
+    def channel(self, action: Action) -> tuple[int, int]:
+        """(peer rank, channel) of a send or receive: channels are named by the receiving
+        segment and the direction, ``2 * segment`` for activations, ``2 * segment + 1`` for
+        gradients."""
+        assert action.peer is not None
+        receiver = action.peer if action.kind.is_send else action.stage
+        backward = action.kind in (Kind.SEND_B, Kind.RECV_B)
+        return self.owners[action.peer], 2 * receiver + int(backward)
+
+    def outgoing(self) -> set[tuple[int, int]]:
+        """Every (peer rank, channel) that peers read from this rank."""
+        out = set()
+        for seg in self.segments:
+            if seg < self.last and self.owners[seg + 1] != self.rank:
+                out.add((self.owners[seg + 1], 2 * (seg + 1)))
+            if seg > 0 and self.owners[seg - 1] != self.rank:
+                out.add((self.owners[seg - 1], 2 * (seg - 1) + 1))
+        return out
+
+    # ----- the step ----------------------------------------------------------------------
+
+    def run(
+        self,
+        prepare: Callable[[int | None], Work],
+        phase: Callable[[Action], bool] = lambda a: True,
+        exchange: bool = True,
+        resume: Work | None = None,
+    ) -> tuple[Work, StepReport]:
+        """Run the actions of this rank's row for which ``phase`` holds.
+
+        ``prepare(m)`` builds the step's :class:`Work`; it gets the number of micro-batches
+        when this rank learnt it from a message (ranks without segment 0), else ``None``.
+        ``resume`` continues a step begun by an earlier call instead (e.g. its backward).
+        ``exchange`` ends the call with the status exchange among all ranks.
+        """
+        start = time.perf_counter()
+        events: list[tuple[str, float, float]] = []
+        busy = 0.0
+        work: Work | None = None
+        current = ""
+        failure: Failed | None = None
+        original: BaseException | None = None
+        try:
+            first: PendingRecv | None = None
+            first_action: Action | None = None
+            microbatches: int | None = None
+            if 0 not in self.segments and resume is None:
+                seg = min(self.segments)
+                first_action = Action(seg, Kind.RECV_F, 0, seg - 1)
+                first = self.transport.recv(*self.channel(first_action))
+                current = str(first_action)
+                message = first.wait(self.timeout)
+                self._check_error(message, first_action)
+                microbatches = message.microbatches
+                first = _Ready(message)
+            work = resume if resume is not None else prepare(microbatches)
+            row = [a for a in self.plan(work.microbatches, work.train) if phase(a)]
+            for action in row:
+                if action.kind.is_recv:
+                    if action == first_action and first is not None:
+                        work.pending[action] = first
+                    else:
+                        work.pending[action] = self.transport.recv(*self.channel(action))
+            for action in row:
+                current = str(action)
+                began = time.perf_counter()
+                with record_function(current):
+                    self.handlers[action.kind](work, action)
+                ended = time.perf_counter()
+                if action.kind.is_compute:
+                    busy += ended - began
+                events.append((current, began - start, ended - start))
+        except Failed as e:
+            failure, original = e, e
+        except Exception as e:
+            action = Action.parse(current) if current else None
+            text = (
+                f"stage {action.stage} failed in {current} (micro-batch {action.microbatch}) "
+                f"on rank {self.rank}: {type(e).__name__}: {e}"
+                if action is not None
+                else f"rank {self.rank} failed before its first action: {type(e).__name__}: {e}"
+            )
+            stage = action.stage if action else -1
+            mb = action.microbatch if action else -1
+            failure, original = Failed(text, stage, mb, current), e
+        if failure is not None:
+            self._notify(failure)
+        if exchange:
+            self._finish(work, failure, original)
+        elif failure is not None:
+            raise self._raise(failure, original)
+        seconds = time.perf_counter() - start
+        assert work is not None
+        return work, StepReport(seconds, busy, events)
+
+    def _notify(self, failure: Failed) -> None:
+        """Tell every peer that reads from this rank, so nobody waits for us in vain."""
+        message = Message(max(failure.microbatch, 0), 0, (), error=failure.text)
+        for peer, channel in sorted(self.outgoing()):
+            if peer == failure.source:
+                continue
+            try:
+                self.transport.send(peer, channel, message)
+            except Exception:  # noqa: S112 - best effort: the peer may be gone already
+                continue
+
+    def _finish(self, work: Work | None, failure: Failed | None, original: BaseException | None) -> None:
+        """Exchange status with every rank; raise if any rank failed; else settle the sends."""
+        status = [work.loss_sum if work else 0.0, _OK, -1.0, -1.0, -1.0]
+        if failure is not None:
+            status[1] = _RELAYED if failure.relayed else _FAILED
+            status[2:] = [float(failure.stage), float(failure.microbatch), float(self.rank)]
+        try:
+            table = self.transport.exchange(status, self.timeout)
+        except Exception as e:
+            if failure is not None:
+                raise self._raise(failure, original) from None
+            raise StageFailure(
+                f"rank {self.rank} could not learn whether the other ranks finished the step: {e}",
+                rank=self.rank, stage=-1, microbatch=-1, action="",
+            ) from e
+        if failure is not None:
+            raise self._raise(failure, original)
+        broken = [row for row in table if row[1] == _FAILED] or [r for r in table if r[1] != _OK]
+        if broken:
+            stage, mb, rank = (int(v) for v in broken[0][2:5])
+            raise StageFailure(
+                f"stage {stage} failed at micro-batch {mb} on rank {rank} (see that rank's "
+                f"error for the cause); rank {self.rank} finished its own work",
+                rank=rank, stage=stage, microbatch=mb, action="",
+            )
+        assert work is not None
+        work.loss_sum = sum(row[0] for row in table)
+        self.transport.flush(self.timeout)
+
+    def _raise(self, failure: Failed, original: BaseException | None) -> BaseException:
+        error = StageFailure(
+            failure.text, rank=self.rank, stage=failure.stage, microbatch=failure.microbatch,
+            action=failure.action,
+        )
+        if original is not None and not isinstance(original, Failed):
+            error.__cause__ = original
+        return error
+
+    def _check_error(self, message: Message, action: Action) -> None:
+        if message.error is not None:
+            text = f"{message.error} (reported to rank {self.rank} while it waited in {action})"
+            source = self.channel(action)[0]
+            raise Failed(text, action.stage, action.microbatch, str(action), source)
+
+    # ----- handlers ----------------------------------------------------------------------
+
+    def recv(self, work: Work, action: Action) -> None:
+        message = work.pending.pop(action).wait(self.timeout)
+        self._check_error(message, action)
+        if message.microbatch != action.microbatch or message.microbatches != work.microbatches:
+            raise RuntimeError(
+                f"{action} expected micro-batch {action.microbatch} of {work.microbatches} but "
+                f"received {message.microbatch} of {message.microbatches}: the ranks run "
+                f"different plans (same chunks and batch size on every rank?)"
+            )
+        key = (action.stage, action.microbatch)
+        if action.kind is Kind.RECV_F:
+            work.feed[key] = tuple(t for t in message.tensors if t is not None)
+        else:
+            work.grads[key] = message.tensors
+
+    def _input(self, work: Work, seg: int, i: int) -> Tensors:
+        if seg == 0:
+            assert work.inputs is not None
+            return work.inputs[i]
+        if (seg, i) in work.feed:
+            return leaves(work.feed.pop((seg, i)))
+        return leaves(work.outputs[(seg - 1, i)])  # previous segment on this rank
+
+    def _compute(self, work: Work, seg: int, i: int, x: Tensors) -> Tensors:
+        value: object = unwrap(x)
+        for layer in self.segments[seg]:
+            value = layer(value)
+        out = as_tensors(value, f"the output of stage {seg}")
+        if seg == self.last and work.train and work.loss_fn is not None:
+            assert work.targets is not None
+            loss = work.loss_fn(unwrap(out), unwrap(work.targets[i]))
+            if not isinstance(loss, Tensor) or loss.numel() != 1:
+                raise TypeError(
+                    f"loss_fn must return a tensor with one element (got "
+                    f"{type(loss).__name__}{'' if not isinstance(loss, Tensor) else tuple(loss.shape)})"
+                )
+            work.losses[i] = loss
+        return out
+
+    def forward(self, work: Work, action: Action) -> None:
+        seg, i = action.stage, action.microbatch
+        x = self._input(work, seg, i)
+        if work.train:
+            work.saved[(seg, i)] = x
+            if checkpointed(work.policy, i, work.microbatches):
+                work.rng[(seg, i)] = RNGState.save(self.device)
+                with torch.no_grad():
+                    out = self._compute(work, seg, i, x)
+                # Announce the gradients the recomputed outputs will want.
+                if self._wants_grad(seg, x):
+                    out = tuple(
+                        t.detach().requires_grad_(True) if t.is_floating_point() else t
+                        for t in out
+                    )
+            else:
+                out = self._compute(work, seg, i, x)
+        else:
+            with torch.no_grad():
+                out = self._compute(work, seg, i, x)
+        work.outputs[(seg, i)] = out
+        if i in work.losses and seg == self.last:
+            work.loss_sum += float(work.losses[i].detach())
+
+    def _wants_grad(self, seg: int, x: Tensors) -> bool:
+        if any(t.requires_grad for t in x):
+            return True
+        params = (p for layer in self.segments[seg] if isinstance(layer, torch.nn.Module)
+                  for p in layer.parameters())
+        return any(p.requires_grad for p in params)
+
+    def send_forward(self, work: Work, action: Action) -> None:
+        out = work.outputs[(action.stage, action.microbatch)]
+        peer, channel = self.channel(action)
+        self.transport.send(peer, channel, Message(action.microbatch, work.microbatches, out))
+
+    def backward(self, work: Work, action: Action) -> None:
+        seg, i = action.stage, action.microbatch
+        x = work.saved.pop((seg, i))
+        out = work.outputs.pop((seg, i))
+        rng = work.rng.pop((seg, i), None)
+        if rng is not None:
+            with rng.restored():
+                out = self._compute(work, seg, i, x)
+        if seg == self.last:
+            if work.loss_fn is not None:
+                roots, grads = [work.losses.pop(i) / work.microbatches], [None]
+            else:
+                assert work.output_grads is not None
+                pairs = [(o, g) for o, g in zip(out, work.output_grads[i]) if g is not None]
+                roots, grads = [o for o, _ in pairs], [g for _, g in pairs]
+        else:
+            given = work.grads.pop((seg, i))
+            pairs = [(o, g) for o, g in zip(out, given) if g is not None and o.requires_grad]
+            roots, grads = [o for o, _ in pairs], [g for _, g in pairs]
+        roots_with_grad = [(r, g) for r, g in zip(roots, grads) if r.requires_grad]
+        if roots_with_grad:
+            torch.autograd.backward(
+                [r for r, _ in roots_with_grad], [g for _, g in roots_with_grad]  # type: ignore[misc]
+            )
+        if seg > 0:
+            work.grads[(seg - 1, i)] = tuple(t.grad if t.requires_grad else None for t in x)
+
+    def send_backward(self, work: Work, action: Action) -> None:
+        grads = work.grads.pop((action.stage - 1, action.microbatch))
+        peer, channel = self.channel(action)
+        self.transport.send(peer, channel, Message(action.microbatch, work.microbatches, grads))
+
+
+class _Ready(PendingRecv):
+    """A receive whose message is already here."""
+
+    def __init__(self, message: Message) -> None:
+        self.message = message
+
+    def wait(self, timeout: float) -> Message:
+        return self.message

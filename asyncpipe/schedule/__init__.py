@@ -1,0 +1,27 @@
+"""Schedules as data: actions, plan generators, lowering, validation and simulation.
+
+Nothing here imports torch.distributed: a plan can be built, checked and timed in any process.
+"""
+
+from .action import Action, Kind, Plan, format_plan
+from .generate import forward_only, gpipe
+from .lower import lower, stage_owners
+from .replay import PlanError
+from .simulate import Costs, Simulation, simulate
+from .validate import validate
+
+__all__ = [
+    "Action",
+    "Costs",
+    "Kind",
+    "Plan",
+    "PlanError",
+    "Simulation",
+    "forward_only",
+    "format_plan",
+    "gpipe",
+    "lower",
+    "simulate",
+    "stage_owners",
+    "validate",
+]

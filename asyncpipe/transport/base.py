@@ -1,0 +1,70 @@
+"""The transport interface: non-blocking sends, early-posted receives, and a status exchange."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+from torch import Tensor
+
+__all__: list[str] = []
+
+
+class TransportTimeout(TimeoutError):
+    """A receive or exchange did not finish in time; the message names the peer."""
+
+
+class PeerError(RuntimeError):
+    """A message from a peer said that it failed; the message carries its error text."""
+
+
+@dataclass(frozen=True)
+class Message:
+    """Tensors of one micro-batch crossing a stage boundary, or a failure notice.
+
+    ``tensors`` may hold ``None`` (a missing gradient). ``microbatches`` is the number of
+    micro-batches of the step, so a receiver can learn it from its first message.
+    """
+
+    microbatch: int
+    microbatches: int
+    tensors: tuple[Tensor | None, ...]
+    error: str | None = None
+
+
+class PendingRecv(abc.ABC):
+    """A receive posted ahead of time; :meth:`wait` returns its message."""
+
+    @abc.abstractmethod
+    def wait(self, timeout: float) -> Message:
+        """Block until the message arrives, or raise TransportTimeout after ``timeout`` s."""
+
+
+class Transport(abc.ABC):
+    """Moves messages between the ranks of one pipeline.
+
+    ``channel`` separates independent streams between the same two ranks (e.g. activations
+    into stage 3 and gradients into stage 1); messages on one channel arrive in send order.
+    """
+
+    rank: int
+    world_size: int
+
+    @abc.abstractmethod
+    def send(self, dst: int, channel: int, message: Message) -> None:
+        """Start sending ``message``; returns without waiting for the receiver."""
+
+    @abc.abstractmethod
+    def recv(self, src: int, channel: int) -> PendingRecv:
+        """Post a receive for the next message from ``src`` on ``channel``."""
+
+    @abc.abstractmethod
+    def flush(self, timeout: float) -> None:
+        """Wait until every send started so far has been taken by its receiver."""
+
+    @abc.abstractmethod
+    def exchange(self, values: list[float], timeout: float) -> list[list[float]]:
+        """All-gather a short list of floats from every rank (same length everywhere)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release resources (pending messages are dropped)."""
