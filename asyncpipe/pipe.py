@@ -116,14 +116,17 @@ def check_arguments(
 
 
 class _GatherOutputs(torch.autograd.Function):
-    """Joins the last stage's micro-batch outputs; its backward runs the rest of the plan::
+    """Joins the last stage's micro-batch outputs; its backward runs the rest of the plan.
+
+    The outputs enter detached, with a phony tensor that asks for gradients, so autograd stops
+    here and the runtime back-propagates each micro-batch itself::
 
         outputs[0..M-1] ──cat──> output ──user's loss──> loss
         loss.backward() ──> split grads ──> runtime runs 1B0..1B(M-1), sends grads upstream
     """
 
     @staticmethod
-    def forward(ctx: Any, pipe: AsyncPipe, sizes: list[int], *outputs: Tensor) -> Any:
+    def forward(ctx: Any, pipe: AsyncPipe, sizes: list[int], phony: Tensor, *outputs: Tensor) -> Any:
         ctx.pipe, ctx.sizes = pipe, sizes
         return tuple(o.detach().clone() for o in outputs)
 
@@ -135,7 +138,7 @@ class _GatherOutputs(torch.autograd.Function):
             tuple(None if s is None else s[i] for s in split) for i in range(len(ctx.sizes))
         ]
         pipe._backward_phase(per_mb)
-        return (None, None) + (None,) * len(grads)
+        return (None, None, None) + (None,) * len(grads)
 
 
 class AsyncPipe(nn.Module):
@@ -393,8 +396,9 @@ class AsyncPipe(nn.Module):
         if not self.is_last_stage:
             return unwrap(gather([tuple(t.detach() for t in out) for out in outputs]))
         sizes = [out[0].shape[0] for out in outputs]
-        joined = gather(outputs)
-        return unwrap(_GatherOutputs.apply(self, sizes, *joined))
+        joined = gather([tuple(t.detach() for t in out) for out in outputs])
+        phony = torch.empty(0, requires_grad=True)  # makes the output ask for gradients
+        return unwrap(_GatherOutputs.apply(self, sizes, phony, *joined))
 
     def _backward_phase(self, output_grads: list[tuple[Tensor | None, ...]] | None) -> None:
         work, self._pending = self._pending, None

@@ -33,6 +33,7 @@ Grads = tuple[Tensor | None, ...]
 LossFn = Callable[[object, object], Tensor]
 _KINDS = list(Kind)
 _OK, _FAILED, _RELAYED = 0.0, 1.0, 2.0
+_SEPARATOR = "\x1f"
 
 
 def unwrap(tensors: Tensors) -> object:
@@ -76,11 +77,25 @@ class Failed(Exception):
     """Internal: carries what failed, where, for the status exchange."""
 
     def __init__(
-        self, text: str, stage: int, microbatch: int, action: str, source: int | None = None
+        self, text: str, stage: int, microbatch: int, action: str, rank: int,
+        source: int | None = None,
     ) -> None:
         super().__init__(text)
         self.text, self.stage, self.microbatch = text, stage, microbatch
-        self.action, self.source = action, source
+        self.action, self.rank, self.source = action, rank, source
+
+    def encode(self) -> str:
+        """The failure as the text of an error message."""
+        fields = [str(self.stage), str(self.microbatch), self.action, str(self.rank), self.text]
+        return _SEPARATOR.join(fields)
+
+    @classmethod
+    def decode(cls, text: str, source: int) -> Failed:
+        parts = text.split(_SEPARATOR, 4)
+        if len(parts) != 5:
+            return cls(text, -1, -1, "", source, source)
+        stage, microbatch, action, rank, message = parts
+        return cls(message, int(stage), int(microbatch), action, int(rank), source)
 
     @property
     def relayed(self) -> bool:
@@ -219,7 +234,7 @@ class Runtime:
             )
             stage = action.stage if action else -1
             mb = action.microbatch if action else -1
-            failure, original = Failed(text, stage, mb, current), e
+            failure, original = Failed(text, stage, mb, current, self.rank), e
         if failure is not None:
             self._notify(failure)
         if exchange:
@@ -232,7 +247,7 @@ class Runtime:
 
     def _notify(self, failure: Failed) -> None:
         """Tell every peer that reads from this rank, so nobody waits for us in vain."""
-        message = Message(max(failure.microbatch, 0), 0, (), error=failure.text)
+        message = Message(max(failure.microbatch, 0), 0, (), error=failure.encode())
         for peer, channel in sorted(self.outgoing()):
             if peer == failure.source:
                 continue
@@ -246,7 +261,7 @@ class Runtime:
         status = [work.loss_sum if work else 0.0, _OK, -1.0, -1.0, -1.0]
         if failure is not None:
             status[1] = _RELAYED if failure.relayed else _FAILED
-            status[2:] = [float(failure.stage), float(failure.microbatch), float(self.rank)]
+            status[2:] = [float(failure.stage), float(failure.microbatch), float(failure.rank)]
         try:
             table = self.transport.exchange(status, self.timeout)
         except Exception as e:
@@ -272,7 +287,7 @@ class Runtime:
 
     def _raise(self, failure: Failed, original: BaseException | None) -> BaseException:
         error = StageFailure(
-            failure.text, rank=self.rank, stage=failure.stage, microbatch=failure.microbatch,
+            failure.text, rank=failure.rank, stage=failure.stage, microbatch=failure.microbatch,
             action=failure.action,
         )
         if original is not None and not isinstance(original, Failed):
@@ -281,9 +296,9 @@ class Runtime:
 
     def _check_error(self, message: Message, action: Action) -> None:
         if message.error is not None:
-            text = f"{message.error} (reported to rank {self.rank} while it waited in {action})"
-            source = self.channel(action)[0]
-            raise Failed(text, action.stage, action.microbatch, str(action), source)
+            failure = Failed.decode(message.error, self.channel(action)[0])
+            failure.text += f" (reported to rank {self.rank} while it waited in {action})"
+            raise failure
 
     # ----- handlers ----------------------------------------------------------------------
 
@@ -367,8 +382,8 @@ class Runtime:
         x = work.saved.pop((seg, i))
         out = work.outputs.pop((seg, i))
         rng = work.rng.pop((seg, i), None)
-        if rng is not None:
-            with rng.restored():
+        if rng is not None:  # recompute; autograd may be running us with gradients off
+            with rng.restored(), torch.enable_grad():
                 out = self._compute(work, seg, i, x)
         if seg == self.last:
             if work.loss_fn is not None:

@@ -1,0 +1,36 @@
+"""Small models and references shared by the single- and multi-process tests."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+
+def mlp(layers: int = 4, width: int = 8, seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(layers)])
+
+
+def reference(
+    model: nn.Module, x: object, y: object, chunks: int, loss_fn: Callable[..., Tensor]
+) -> tuple[float, list[Tensor]]:
+    """Mean micro-batch loss and gradients of a copy of ``model`` run in one process."""
+    plain = copy.deepcopy(model)
+    xs = x if isinstance(x, tuple) else (x,)
+    ys = y if isinstance(y, tuple) else (y,)
+    pieces_x = list(zip(*[t.chunk(chunks) for t in xs]))
+    pieces_y = list(zip(*[t.chunk(chunks) for t in ys]))
+    total = 0.0
+    for px, py in zip(pieces_x, pieces_y):
+        out = plain(px[0] if len(px) == 1 else px)
+        loss = loss_fn(out, py[0] if len(py) == 1 else py) / len(pieces_x)
+        loss.backward()
+        total += float(loss.detach())
+    return total, [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in plain.parameters()]
+
+
+def grads_of(params: Sequence[nn.Parameter]) -> list[Tensor]:
+    return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params]

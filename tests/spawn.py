@@ -1,0 +1,88 @@
+"""Run a function on several local processes over gloo: free port, loopback, hard timeout."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import tempfile
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["free_port", "run_ranks"]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(rank: int, world: int, port: int, out: str, fn: Callable[..., Any], args: tuple) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
+    )
+    torch.set_num_threads(1)
+    try:
+        import asyncpipe
+
+        asyncpipe.init(backend="gloo", timeout=60)
+        result: Any = ("ok", fn(rank, world, *args))
+    except BaseException as e:  # report everything to the parent
+        result = ("error", f"{type(e).__name__}: {e}", traceback.format_exc())
+    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    try:
+        import torch.distributed as dist
+
+        if dist.is_initialized() and result[0] == "ok":
+            dist.destroy_process_group()
+    finally:
+        os._exit(0)
+
+
+def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` spawned processes; return each rank's
+    result, or raise AssertionError naming the ranks that failed or hung.
+
+    A rank that raised comes back as ``("error", text, traceback)`` only if ``fn`` is expected
+    to raise; use :func:`run_ranks_raw` for that.
+    """
+    results = run_ranks_raw(fn, world, *args, timeout=timeout)
+    errors = [f"rank {r}: {res[2]}" for r, res in enumerate(results) if res[0] != "ok"]
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [res[1] for res in results]
+
+
+def run_ranks_raw(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120) -> list[Any]:
+    """Like :func:`run_ranks`, but return ``("ok", value)`` or ``("error", text, tb)`` per rank;
+    a rank that neither finished nor failed within ``timeout`` fails the test."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory() as out:
+        procs = [
+            ctx.Process(target=_worker, args=(r, world, port, out, fn, args), daemon=True)
+            for r in range(world)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout)
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        if hung:
+            raise AssertionError(f"ranks {hung} did not finish within {timeout} s (a hang)")
+        results = []
+        for r in range(world):
+            path = os.path.join(out, f"rank{r}.pt")
+            if not os.path.exists(path):
+                raise AssertionError(f"rank {r} died without a result (exit code {procs[r].exitcode})")
+            results.append(torch.load(path, weights_only=False))
+        return results

@@ -1,0 +1,330 @@
+"""Single-process tests over the in-process transport: ranks are threads of this process."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+from models import grads_of, mlp, reference
+from threads import run_threads, values
+from torch import Tensor, nn
+
+import asyncpipe
+from asyncpipe import AsyncPipe, LazyModule, StageFailure
+from asyncpipe.transport import Transport
+
+mse = nn.functional.mse_loss
+
+
+def step_all(
+    model: nn.Module | list[Any], balance: list[int], chunks: int, policy: str, x: Any, y: Any,
+    loss_fn: Any = mse,
+) -> list[tuple[float, AsyncPipe]]:
+    def fn(rank: int, transport: Transport) -> tuple[float, AsyncPipe]:
+        pipe = AsyncPipe(
+            model, balance, chunks=chunks, checkpoint=policy, transport=transport, timeout=10
+        )
+        loss = pipe.step(x, y, loss_fn)
+        return loss, pipe
+
+    return values(run_threads(fn, len(balance)))
+
+
+@pytest.mark.parametrize("policy", ["always", "except_last", "never"])
+@pytest.mark.parametrize("balance", [[1, 3], [2, 2], [3, 1], [1, 1, 1, 1], [2, 1, 1]])
+@pytest.mark.parametrize("chunks", [1, 3, 4])
+def test_step_matches_plain_model(policy: str, balance: list[int], chunks: int) -> None:
+    model = mlp(4)
+    torch.manual_seed(1)
+    x, y = torch.randn(10, 8), torch.randn(10, 8)
+    want_loss, want_grads = reference(model, x, y, chunks, mse)
+    results = step_all(model, balance, chunks, policy, x, y)
+    for loss, _ in results:
+        assert loss == pytest.approx(want_loss, rel=1e-6)
+    # every rank kept the caller's layers, so the original model holds all the gradients
+    for got, want in zip(grads_of(list(model.parameters())), want_grads):
+        torch.testing.assert_close(got, want)
+
+
+def test_each_rank_keeps_only_its_own_layers_and_the_callers_objects() -> None:
+    model = mlp(4)
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    results = step_all(model, [1, 3], 2, "never", x, y)
+    first, second = results[0][1], results[1][1]
+    assert len(first) == 1 and len(second) == 3
+    assert first[0] is model[0] and list(second) == [model[1], model[2], model[3]]
+    assert {id(p) for p in first.parameters()} == {id(p) for p in model[0].parameters()}
+    assert (first.stage, second.stage) == (0, 1)
+    assert first.is_first_stage and second.is_last_stage
+
+
+def test_batch_smaller_than_chunks_runs_fewer_microbatches() -> None:
+    model = mlp(4)
+    x, y = torch.randn(3, 8), torch.randn(3, 8)
+    want_loss, want_grads = reference(model, x, y, 8, mse)
+    results = step_all(model, [2, 2], 8, "except_last", x, y)
+    assert results[0][0] == pytest.approx(want_loss, rel=1e-6)
+    for got, want in zip(grads_of(list(model.parameters())), want_grads):
+        torch.testing.assert_close(got, want)
+
+
+class Split(nn.Module):
+    """(x) -> (a, b, positions): a tuple with an integer tensor that needs no gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        positions = torch.arange(x.shape[0]).unsqueeze(1).expand(-1, 4)
+        return self.a(x), self.b(x), positions
+
+
+class Mix(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, value: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        a, b, positions = value
+        return torch.tanh(self.lin(a)), b * positions.float(), positions
+
+
+class Join(nn.Module):
+    def forward(self, value: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        a, b, _ = value
+        return a, b
+
+
+def tuple_loss(out: tuple[Tensor, Tensor], target: tuple[Tensor, Tensor]) -> Tensor:
+    return mse(out[0], target[0]) + mse(out[1], target[1])
+
+
+@pytest.mark.parametrize("policy", ["always", "never"])
+def test_tuples_with_integer_tensors_cross_stages(policy: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(Split(), Mix(), Mix(), Join())
+    x, y = torch.randn(6, 8), (torch.randn(6, 8), torch.randn(6, 4))
+    want_loss, want_grads = reference(model, x, y, 3, tuple_loss)
+    results = step_all(model, [1, 1, 2], 3, policy, x, y, tuple_loss)
+    assert results[2][0] == pytest.approx(want_loss, rel=1e-6)
+    for got, want in zip(grads_of(list(model.parameters())), want_grads):
+        torch.testing.assert_close(got, want)
+
+
+def test_lazy_modules_are_built_only_by_their_owner() -> None:
+    torch.manual_seed(0)
+    plain = mlp(4)
+    lazy = [LazyModule(lambda layer=layer: layer) for layer in plain]
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+
+    def fn(rank: int, transport: Transport) -> list[bool]:
+        mine = [LazyModule(lambda layer=layer: layer) for layer in plain]
+        pipe = AsyncPipe(mine, [1, 3], chunks=2, transport=transport, timeout=10)
+        pipe.step(x, y, mse)
+        return [m.built for m in mine]
+
+    built = values(run_threads(fn, 2))
+    assert built == [[True, False, False, False], [False, True, True, True]]
+    assert not any(m.built for m in lazy)
+
+
+def test_reused_layer_runs_on_its_owner_with_the_plain_gradients() -> None:
+    torch.manual_seed(0)
+    a, b, c = nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)
+    layers = [a, b, c, a, b]
+    plain = nn.Sequential(*layers)
+    x, y = torch.randn(6, 8), torch.randn(6, 8)
+    want_loss, want_grads = reference(plain, x, y, 3, mse)
+    results = step_all(layers, [2, 3], 3, "except_last", x, y)
+    assert results[0][0] == pytest.approx(want_loss, rel=1e-6)
+    pipe0, pipe1 = results[0][1], results[1][1]
+    assert list(pipe0) == [a, b] and list(pipe1) == [c]
+    for got, want in zip(grads_of(list(plain.parameters())), want_grads):
+        torch.testing.assert_close(got, want)
+
+
+def test_forward_and_back_helper_match_the_plain_model() -> None:
+    model = mlp(4)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    plain = __import__("copy").deepcopy(model)
+    mse(plain(x), y).backward()
+
+    def fn(rank: int, transport: Transport) -> Tensor | None:
+        pipe = AsyncPipe(model, [2, 2], chunks=4, transport=transport, timeout=10)
+        out = pipe(x if rank == 0 else None)
+        if pipe.is_last_stage:
+            loss = mse(out, y)
+            loss.backward()
+            return out.detach()
+        pipe.back_helper(out)
+        return None
+
+    outs = values(run_threads(fn, 2))
+    torch.testing.assert_close(outs[1], plain(x).detach())
+    for got, want in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(got.grad, want.grad)
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "eval"])
+def test_inference_pipeline_waits_for_no_gradients(mode: str) -> None:
+    model = mlp(4)
+    x = torch.randn(5, 8)
+    with torch.no_grad():
+        want = model(x)
+
+    def fn(rank: int, transport: Transport) -> Tensor:
+        pipe = AsyncPipe(model, [2, 2], chunks=2, transport=transport, timeout=10)
+        if mode == "eval":
+            pipe.eval()
+            out = pipe(x if rank == 0 else None)
+        else:
+            with torch.no_grad():
+                out = pipe(x if rank == 0 else None)
+        return out
+
+    outs = values(run_threads(fn, 2))
+    torch.testing.assert_close(outs[1], want)
+    assert not outs[1].requires_grad
+
+
+class Boom(nn.Module):
+    def __init__(self, where: str, microbatch: int) -> None:
+        super().__init__()
+        self.lin, self.where, self.microbatch, self.calls = nn.Linear(8, 8), where, microbatch, 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        n = self.calls
+        self.calls += 1
+        if self.where == "forward" and n == self.microbatch:
+            raise ValueError("boom in forward")
+        out = self.lin(x)
+        if self.where == "backward" and n == self.microbatch:
+
+            def hook(grad: Tensor) -> Tensor:
+                raise ValueError("boom in backward")
+
+            out.register_hook(hook)
+        return out
+
+
+@pytest.mark.parametrize("where,action", [("forward", "1F2"), ("backward", "1B1")])
+def test_failure_in_one_stage_reaches_every_rank(where: str, action: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), Boom(where, 2 if where == "forward" else 1),
+                          nn.Linear(8, 8))
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+
+    def fn(rank: int, transport: Transport) -> float:
+        pipe = AsyncPipe(model, [1, 1, 1], chunks=4, checkpoint="never", transport=transport,
+                         timeout=10)
+        return pipe.step(x, y, mse)
+
+    results = run_threads(fn, 3)
+    for rank, (status, error) in enumerate(results):
+        assert status == "error", f"rank {rank} did not fail"
+        assert isinstance(error, StageFailure), repr(error)
+        assert error.stage == 1 and str(error.stage) in str(error)
+        assert f"micro-batch {action[-1]}" in str(error)
+    assert action in str(results[1][1]) and f"boom in {where}" in str(results[1][1])
+    assert isinstance(results[1][1].__cause__, ValueError)
+
+
+class Sleepy(nn.Module):
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, x: Tensor) -> Tensor:
+        time.sleep(self.seconds)
+        return x
+
+
+def test_a_stuck_stage_makes_the_others_fail_naming_the_peer() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), Sleepy(3.0), nn.Linear(8, 8))
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+
+    def fn(rank: int, transport: Transport) -> float:
+        pipe = AsyncPipe(model, [1, 1, 1], chunks=1, transport=transport, timeout=1.0)
+        return pipe.step(x, y, mse)
+
+    began = time.monotonic()
+    results = run_threads(fn, 3, timeout=30)
+    assert time.monotonic() - began < 20
+    status, error = results[2]
+    assert status == "error" and "timed out" in str(error) and "from rank 1" in str(error)
+    assert all(status == "error" for status, _ in results)
+
+
+def test_non_tensor_at_a_boundary_is_named() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.Flatten(0) if False else _ToList(), nn.Identity())
+
+    def fn(rank: int, transport: Transport) -> float:
+        pipe = AsyncPipe(model, [2, 1], chunks=2, transport=transport, timeout=10)
+        return pipe.step(torch.randn(4, 8), torch.randn(4, 8), mse)
+
+    results = run_threads(fn, 2)
+    assert all(isinstance(e, StageFailure) for _, e in results)
+    assert "output of stage 0 must be a tensor or a tuple of tensors" in str(results[0][1])
+    assert "0F0" in str(results[1][1])
+
+
+class _ToList(nn.Module):
+    def forward(self, x: Tensor) -> Any:
+        return [x, "label"]
+
+
+def test_loss_must_be_a_scalar() -> None:
+    model = mlp(2)
+
+    def fn(rank: int, transport: Transport) -> float:
+        pipe = AsyncPipe(model, [1, 1], chunks=2, transport=transport, timeout=10)
+        return pipe.step(torch.randn(4, 8), torch.randn(4, 8), lambda o, t: (o - t) ** 2)
+
+    results = run_threads(fn, 2)
+    assert "loss_fn must return a tensor with one element" in str(results[1][1])
+    assert isinstance(results[0][1], StageFailure)
+
+
+def test_missing_input_on_the_first_stage_fails_everywhere() -> None:
+    model = mlp(2)
+
+    def fn(rank: int, transport: Transport) -> float:
+        pipe = AsyncPipe(model, [1, 1], chunks=2, transport=transport, timeout=10)
+        return pipe.step(None, torch.randn(4, 8), mse)
+
+    results = run_threads(fn, 2)
+    assert "input is needed on stage 0" in str(results[0][1])
+    assert "input is needed on stage 0" in str(results[1][1])
+
+
+def test_a_failed_pipeline_refuses_further_steps() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), Boom("forward", 0))
+
+    def fn(rank: int, transport: Transport) -> str:
+        pipe = AsyncPipe(model, [1, 1], chunks=1, transport=transport, timeout=10)
+        with pytest.raises(StageFailure):
+            pipe.step(torch.randn(2, 8), torch.randn(2, 8), mse)
+        with pytest.raises(RuntimeError, match="failed in an earlier call"):
+            pipe.step(torch.randn(2, 8), torch.randn(2, 8), mse)
+        return "ok"
+
+    assert values(run_threads(fn, 2)) == ["ok", "ok"]
+
+
+def test_step_reports_timing() -> None:
+    model = mlp(2)
+
+    def fn(rank: int, transport: Transport) -> asyncpipe.StepReport | None:
+        pipe = AsyncPipe(model, [1, 1], chunks=2, transport=transport, timeout=10)
+        pipe.step(torch.randn(4, 8), torch.randn(4, 8), mse)
+        return pipe.last_step
+
+    for report in values(run_threads(fn, 2)):
+        assert report is not None and 0 < report.busy_seconds <= report.seconds
+        assert 0 <= report.idle_fraction < 1
+        assert {e[0] for e in report.events} >= {"0F0", "0B1"} or {"1F0", "1B1"} <= {
+            e[0] for e in report.events
+        }
