@@ -24,7 +24,7 @@ class LazyModule:
     """
 
     def __init__(self, function: Callable[[], nn.Module]) -> None:
-        if not callable(function):
+        if isinstance(function, nn.Module) or not callable(function):
             raise TypeError(
                 f"LazyModule takes a function that returns an nn.Module "
                 f"(got {type(function).__name__}); write LazyModule(lambda: nn.Linear(8, 8))"

@@ -205,6 +205,7 @@ class Runtime:
                 self._check_error(message, first_action)
                 microbatches = message.microbatches
                 first = _Ready(message)
+            current = "prepare"
             work = resume if resume is not None else prepare(microbatches)
             row = [a for a in self.plan(work.microbatches, work.train) if phase(a)]
             for action in row:
@@ -225,13 +226,16 @@ class Runtime:
         except Failed as e:
             failure, original = e, e
         except Exception as e:
-            action = Action.parse(current) if current else None
-            text = (
-                f"stage {action.stage} failed in {current} (micro-batch {action.microbatch}) "
-                f"on rank {self.rank}: {type(e).__name__}: {e}"
-                if action is not None
-                else f"rank {self.rank} failed before its first action: {type(e).__name__}: {e}"
-            )
+            action = Action.parse(current) if current not in ("", "prepare") else None
+            if action is not None:
+                text = (
+                    f"stage {action.stage} failed in {current} (micro-batch "
+                    f"{action.microbatch}) on rank {self.rank}: {type(e).__name__}: {e}"
+                )
+            elif current == "prepare":
+                text = f"rank {self.rank} rejected its arguments: {type(e).__name__}: {e}"
+            else:
+                text = f"rank {self.rank} failed before its first action: {type(e).__name__}: {e}"
             stage = action.stage if action else -1
             mb = action.microbatch if action else -1
             failure, original = Failed(text, stage, mb, current, self.rank), e
@@ -286,6 +290,8 @@ class Runtime:
         self.transport.flush(self.timeout)
 
     def _raise(self, failure: Failed, original: BaseException | None) -> BaseException:
+        if failure.action == "prepare" and isinstance(original, (TypeError, ValueError)):
+            return original  # the caller's own bad argument: raise it as it is
         error = StageFailure(
             failure.text, rank=failure.rank, stage=failure.stage, microbatch=failure.microbatch,
             action=failure.action,

@@ -1,0 +1,70 @@
+"""Partitioning, micro-batches and the transport header, in one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from asyncpipe.microbatch import gather, scatter
+from asyncpipe.partition import Invocation, Location, partition
+from asyncpipe.transport import Message
+from asyncpipe.transport.p2p import decode_header, encode_header
+
+
+def test_partition_without_reuse() -> None:
+    layers = [nn.Linear(2, 2) for _ in range(5)]
+    parts, segments = partition(layers, [2, 3])
+    assert parts[0].layers == tuple(layers[:2]) and parts[1].layers == tuple(layers[2:])
+    assert [s.stage for s in segments] == [0, 1]
+    assert parts[1].invocations[0] == Invocation(2, Location(1, 0), Location(0, 1), Location(1, 1))
+    assert parts[0].invocations[0].source is None and parts[1].invocations[-1].dest is None
+
+
+def test_partition_with_reuse_across_stages_makes_invocation_chains() -> None:
+    a, b, c = nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2)
+    parts, segments = partition([a, b, c, a, b], [2, 3])
+    assert parts[0].layers == (a, b) and parts[1].layers == (c,)
+    chain = [inv.this for inv in sorted(parts[0].invocations + parts[1].invocations,
+                                        key=lambda inv: inv.order)]
+    assert chain == [Location(0, 0), Location(0, 1), Location(1, 0), Location(0, 0), Location(0, 1)]
+    third = next(inv for inv in parts[0].invocations if inv.order == 3)
+    assert third == Invocation(3, Location(0, 0), Location(1, 0), Location(0, 1))
+    assert [(s.stage, len(s.invocations)) for s in segments] == [(0, 2), (1, 1), (0, 2)]
+
+
+def test_reuse_inside_one_stage_adds_no_segment() -> None:
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    parts, segments = partition([a, a, b], [2, 1])
+    assert parts[0].layers == (a,) and len(parts[0].invocations) == 2
+    assert len(segments) == 2
+
+
+def test_scatter_uneven_and_small_batches() -> None:
+    x = torch.arange(10).view(10, 1)
+    assert [p[0].shape[0] for p in scatter((x,), 4)] == [3, 3, 3, 1]
+    assert len(scatter((x[:3],), 8)) == 3
+    pieces = scatter((x, x * 2), 3)
+    assert torch.equal(gather(pieces)[1], x * 2)
+
+
+def test_scatter_rejects_scalars_and_empty() -> None:
+    with pytest.raises(ValueError, match="batch dimension"):
+        scatter((torch.tensor(1.0),), 2)
+    with pytest.raises(ValueError, match="empty"):
+        scatter((torch.zeros(0, 3),), 2)
+
+
+def test_header_round_trip() -> None:
+    a = torch.zeros(3, 4, requires_grad=True)
+    b = torch.zeros(5, dtype=torch.int64)
+    header = encode_header(Message(2, 8, (a, None, b)), [a, None, b])
+    kind, microbatch, microbatches, specs = decode_header(header)
+    assert (kind, microbatch, microbatches) == (0, 2, 8)
+    assert specs == [(0, True, [3, 4]), (-1, False, []), (4, False, [5])]
+
+
+def test_header_rejects_too_many_tensors() -> None:
+    many = [torch.zeros(1, 1, 1, 1) for _ in range(60)]
+    with pytest.raises(ValueError, match="too many tensors"):
+        encode_header(Message(0, 1, tuple(many)), many)

@@ -1,0 +1,134 @@
+"""Constructor validation: every bad argument fails before any message, naming rule and fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import mlp
+from torch import nn
+
+import asyncpipe
+from asyncpipe import AsyncPipe, LazyModule
+from asyncpipe.transport import InProcessHub
+
+
+def transport(world: int = 2) -> asyncpipe.transport.Transport:
+    return InProcessHub(world).transport(0)
+
+
+def test_balance_sum_must_match_layers() -> None:
+    with pytest.raises(ValueError) as info:
+        AsyncPipe(mlp(14), [4, 3, 3, 3], transport=transport(4))
+    assert str(info.value) == (
+        "sum of balance must equal the number of layers (layers: 14, sum of balance: 13); "
+        "pass balance=[4, 4, 3, 3]"
+    )
+
+
+@pytest.mark.parametrize(
+    "balance,match",
+    [
+        ([2, 0], r"positive int.*1: 0"),
+        ([2, -1], r"positive int.*1: -1"),
+        ([2.0, 2], r"positive int.*0: 2.0"),
+        ([True, 3], r"positive int.*0: True"),
+        ([], "non-empty list"),
+        (4, "non-empty list"),
+    ],
+)
+def test_balance_entries(balance: object, match: str) -> None:
+    with pytest.raises((ValueError, TypeError), match=match):
+        AsyncPipe(mlp(4), balance, transport=transport())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("chunks", [0, -2, 1.5, "4", None])
+def test_chunks(chunks: object) -> None:
+    with pytest.raises(ValueError, match="chunks must be a positive int"):
+        AsyncPipe(mlp(4), [2, 2], chunks=chunks, transport=transport())  # type: ignore[arg-type]
+
+
+def test_checkpoint_policy() -> None:
+    with pytest.raises(ValueError, match="checkpoint must be one of always, except_last, never"):
+        AsyncPipe(mlp(4), [2, 2], checkpoint="sometimes", transport=transport())
+
+
+def test_module_type() -> None:
+    with pytest.raises(TypeError, match="module must be an nn.Sequential"):
+        AsyncPipe(nn.Linear(2, 2), [1], transport=transport(1))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"every item of a layer list.*1: str"):
+        AsyncPipe([nn.Linear(2, 2), "relu"], [1, 1], transport=transport())  # type: ignore[list-item]
+
+
+def test_every_problem_is_listed_at_once() -> None:
+    with pytest.raises(ValueError) as info:
+        AsyncPipe(mlp(4), [2, 1], chunks=0, checkpoint="nope", schedule="magic",
+                  transport=transport())
+    text = str(info.value)
+    for part in ["sum of balance", "chunks must be", "checkpoint must be", "schedule must be"]:
+        assert part in text
+
+
+def test_world_size_must_match_balance() -> None:
+    with pytest.raises(ValueError, match=r"one entry per pipeline rank \(ranks: 4, entries in "
+                                         r"balance: 2\); launch 2 processes"):
+        AsyncPipe(mlp(4), [2, 2], transport=transport(4))
+    with pytest.raises(ValueError, match="give balance 1 entries"):
+        AsyncPipe(mlp(4), [2, 2], transport=transport(1))
+
+
+def test_p2p_without_process_group_says_how_to_launch() -> None:
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(ValueError, match="call asyncpipe.init"):
+        AsyncPipe(mlp(4), [2, 2])
+
+
+def test_stage_that_owns_no_layer() -> None:
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"stages \[1\] only reuse layers"):
+        AsyncPipe([a, b, a], [2, 1], transport=transport())
+
+
+def test_init_outside_torchrun_says_how_to_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"]:
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(RuntimeError, match="torchrun --standalone"):
+        asyncpipe.init()
+
+
+def test_lazy_module_checks_its_function() -> None:
+    with pytest.raises(TypeError, match="takes a function"):
+        LazyModule(nn.Linear(2, 2))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="must return an nn.Module"):
+        LazyModule(lambda: 3).build()  # type: ignore[arg-type,return-value]
+
+
+def test_step_refuses_no_grad() -> None:
+    pipe = AsyncPipe(mlp(2), [2], transport=transport(1))
+    with torch.no_grad(), pytest.raises(RuntimeError, match="outside torch.no_grad"):
+        pipe.step(torch.zeros(2, 8), torch.zeros(2, 8), nn.functional.mse_loss)
+
+
+@pytest.mark.parametrize(
+    "value,match",
+    [
+        ("text", "input must be a tensor or a tuple of tensors \\(got str\\)"),
+        ((torch.zeros(2, 8), 3), "got 1: int"),
+        ((torch.zeros(2, 8), torch.zeros(3, 8)), "same size in dim 0"),
+    ],
+)
+def test_bad_inputs_on_a_single_rank(value: object, match: str) -> None:
+    pipe = AsyncPipe(mlp(2), [2], transport=transport(1))
+    with pytest.raises((TypeError, ValueError), match=match):
+        pipe.step(value, torch.zeros(2, 8), nn.functional.mse_loss)
+
+
+def test_single_rank_pipeline_matches_plain_model() -> None:
+    model = mlp(3)
+    x, y = torch.randn(6, 8), torch.randn(6, 8)
+    plain = __import__("copy").deepcopy(model)
+    nn.functional.mse_loss(plain(x), y).backward()
+    pipe = AsyncPipe(model, [3], chunks=3, transport=transport(1))
+    loss = pipe.step(x, y, nn.functional.mse_loss)
+    assert loss == pytest.approx(float(nn.functional.mse_loss(plain(x), y)), rel=1e-6)
+    for got, want in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(got.grad, want.grad)
