@@ -1,0 +1,161 @@
+"""Worker functions for the multi-process gloo tests (run in spawned processes)."""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any
+
+import torch
+from models import mlp, reference
+from torch import Tensor, nn
+
+from asyncpipe import AsyncPipe, LazyModule, StageFailure
+
+mse = nn.functional.mse_loss
+
+
+def _diff(pipe: AsyncPipe, want: dict[int, Tensor], model: nn.Module) -> float:
+    """Largest gradient difference of this rank's parameters against the reference."""
+    ids = {id(p): n for n, p in enumerate(model.parameters())}
+    worst = 0.0
+    for p in pipe.parameters():
+        got = p.grad if p.grad is not None else torch.zeros_like(p)
+        worst = max(worst, float((got - want[ids[id(p)]]).abs().max()))
+    return worst
+
+
+def transparency(rank: int, world: int, balances: list[list[int]], chunks_list: list[int]) -> Any:
+    """Loss and gradient errors against the plain model for every policy/balance/chunks."""
+    out = {}
+    for balance in balances:
+        for chunks in chunks_list:
+            for policy in ["always", "except_last", "never"]:
+                model = mlp(sum(balance), seed=sum(balance) + chunks)
+                torch.manual_seed(7)
+                x, y = torch.randn(10, 8), torch.randn(10, 8)
+                want_loss, grads = reference(model, x, y, chunks, mse)
+                pipe = AsyncPipe(model, balance, chunks=chunks, checkpoint=policy, timeout=30)
+                loss = pipe.step(x if rank == 0 else None, y if rank == world - 1 else None, mse)
+                key = f"{balance}-{chunks}-{policy}"
+                out[key] = (abs(loss - want_loss), _diff(pipe, dict(enumerate(grads)), model))
+    return out
+
+
+class Pair(nn.Module):
+    """x -> (linear(x), integer row ids) and back: a tuple with a non-float tensor."""
+
+    def __init__(self, join: bool) -> None:
+        super().__init__()
+        self.lin, self.join = nn.Linear(8, 8), join
+
+    def forward(self, value: Any) -> Any:
+        if self.join:
+            a, ids = value
+            return self.lin(a) * ids.float().unsqueeze(1)
+        return torch.tanh(self.lin(value)), torch.arange(value.shape[0]) % 3 + 1
+
+
+def features(rank: int, world: int) -> Any:
+    """Tuples, LazyModule lists, reused layers, fairscale-style forward, inference."""
+    out: dict[str, Any] = {}
+    last = rank == world - 1
+    torch.manual_seed(0)
+    x, y = torch.randn(6, 8), torch.randn(6, 8)
+
+    # tuples with an integer tensor across the boundary
+    model = nn.Sequential(Pair(join=False), Pair(join=True))
+    _, grads = reference(model, x, y, 3, mse)
+    pipe = AsyncPipe(model, [1, 1], chunks=3, timeout=30)
+    pipe.step(x, y, mse)
+    out["tuple"] = _diff(pipe, dict(enumerate(grads)), model)
+
+    # LazyModule list: each rank builds only its own layers
+    torch.manual_seed(1)
+    plain = mlp(4, seed=3)
+    lazy = [LazyModule(lambda layer=layer: copy.deepcopy(layer)) for layer in plain]
+    pipe = AsyncPipe(lazy, [3, 1], chunks=2, timeout=30)
+    out["lazy_built"] = [m.built for m in lazy]
+    want_loss, grads = reference(plain, x, y, 2, mse)
+    loss = pipe.step(x, y, mse)
+    mine = range(0, 3) if rank == 0 else range(3, 4)
+    want = [g for n, g in enumerate(grads) if n // 2 in mine]
+    got = [p.grad for p in pipe.parameters()]
+    out["lazy"] = (abs(loss - want_loss), max(float((a - b).abs().max()) for a, b in zip(got, want)))
+
+    # a layer reused across stages runs on its owner
+    torch.manual_seed(2)
+    a, b, c = nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)
+    layers = [a, b, c, a, b]
+    want_loss, grads = reference(nn.Sequential(*layers), x, y, 3, mse)
+    pipe = AsyncPipe(layers, [2, 3], chunks=3, timeout=30)
+    loss = pipe.step(x, y, mse)
+    out["reuse"] = (abs(loss - want_loss), _diff(pipe, dict(enumerate(grads)), nn.Sequential(*layers)))
+
+    # fairscale-style forward and back_helper
+    model = mlp(4, seed=5)
+    plain = copy.deepcopy(model)
+    mse(plain(x), y).backward()
+    pipe = AsyncPipe(model, [2, 2], chunks=3, timeout=30)
+    output = pipe(x if rank == 0 else None)
+    if last:
+        mse(output, y).backward()
+    else:
+        pipe.back_helper(output)
+    plain_grads = dict(enumerate(p.grad for p in plain.parameters()))
+    out["forward"] = _diff(pipe, plain_grads, model)
+
+    # inference under no_grad
+    with torch.no_grad():
+        result = pipe(x if rank == 0 else None)
+        out["inference"] = float((result - plain(x)).abs().max()) if last else 0.0
+    return out
+
+
+def dropout(rank: int, world: int) -> Any:
+    """Gradients with recompute equal those without when dropout is in the model."""
+    grads = {}
+    for policy in ["always", "never"]:
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            *[nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.5), nn.Tanh()) for _ in range(world)]
+        )
+        x, y = torch.randn(8, 16), torch.randn(8, 16)
+        pipe = AsyncPipe(model, [1] * world, chunks=4, checkpoint=policy, timeout=30)
+        torch.manual_seed(100 + rank)
+        pipe.step(x, y, mse)
+        grads[policy] = [p.grad.clone() for p in pipe.parameters()]
+    return max(float((a - b).abs().max()) for a, b in zip(grads["always"], grads["never"]))
+
+
+class Fail(nn.Module):
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.lin, self.where, self.calls = nn.Linear(8, 8), where, 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        if self.where == "forward" and self.calls == 2:
+            raise ValueError("injected forward failure")
+        if self.where == "sleep":
+            time.sleep(8)
+        out = self.lin(x)
+        if self.where == "backward" and self.calls == 1:
+            out.register_hook(lambda g: (_ for _ in ()).throw(ValueError("injected backward failure")))
+        return out
+
+
+def failure(rank: int, world: int, where: str) -> Any:
+    """Run a step where stage 1 fails; return what each rank saw and how long it took."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), Fail(where), *[nn.Linear(8, 8) for _ in range(world - 2)])
+    timeout = 2.0 if where == "sleep" else 30.0
+    pipe = AsyncPipe(model, [1] * world, chunks=4, checkpoint="never", timeout=timeout)
+    began = time.monotonic()
+    try:
+        pipe.step(torch.randn(8, 8), torch.randn(8, 8), mse)
+    except StageFailure as e:
+        return ("StageFailure", str(e), e.stage, e.microbatch, e.action, time.monotonic() - began)
+    except Exception as e:
+        return (type(e).__name__, str(e), -1, -1, "", time.monotonic() - began)
+    return ("no error", "", -1, -1, "", time.monotonic() - began)

@@ -1,0 +1,62 @@
+"""Multi-process tests: 2 to 4 processes over gloo on loopback, each with a hard timeout."""
+
+from __future__ import annotations
+
+import pytest
+from gloo_workers import dropout, failure, features, transparency
+from spawn import run_ranks
+
+pytestmark = pytest.mark.slow
+
+
+def test_two_processes_match_the_plain_model() -> None:
+    results = run_ranks(transparency, 2, [[2, 2], [1, 3]], [1, 3, 4], timeout=180)
+    for rank, checks in enumerate(results):
+        for key, (loss_error, grad_error) in checks.items():
+            assert loss_error < 1e-6, f"rank {rank} {key}: loss off by {loss_error}"
+            assert grad_error < 1e-6, f"rank {rank} {key}: gradients off by {grad_error}"
+
+
+def test_four_processes_match_the_plain_model() -> None:
+    results = run_ranks(transparency, 4, [[1, 1, 1, 1], [2, 1, 1, 2]], [4, 8], timeout=240)
+    for rank, checks in enumerate(results):
+        assert len(checks) == 12
+        for key, (loss_error, grad_error) in checks.items():
+            assert loss_error < 1e-6 and grad_error < 1e-6, (rank, key, loss_error, grad_error)
+
+
+def test_tuples_lazy_modules_reuse_forward_and_inference() -> None:
+    results = run_ranks(features, 2, timeout=180)
+    assert results[0]["lazy_built"] == [True, True, True, False]
+    assert results[1]["lazy_built"] == [False, False, False, True]
+    for rank, checks in enumerate(results):
+        assert checks["tuple"] < 1e-6, rank
+        assert max(checks["lazy"]) < 1e-6, rank
+        assert max(checks["reuse"]) < 1e-6, rank
+        assert checks["forward"] < 1e-6, rank
+        assert checks["inference"] < 1e-6, rank
+
+
+def test_recompute_replays_dropout_masks() -> None:
+    for error in run_ranks(dropout, 2, timeout=120):
+        assert error < 1e-6
+
+
+@pytest.mark.parametrize("where,action", [("forward", "1F1"), ("backward", "1B0")])
+def test_failure_reaches_every_rank(where: str, action: str) -> None:
+    results = run_ranks(failure, 3, where, timeout=120)
+    for rank, (kind, text, stage, microbatch, _, seconds) in enumerate(results):
+        assert kind == "StageFailure", (rank, kind, text)
+        assert stage == 1 and microbatch == int(action[-1]), (rank, text)
+        assert f"stage 1" in text and f"injected {where} failure" in text or rank != 1, text
+        assert seconds < 30
+    assert results[1][4] == action
+
+
+def test_a_hung_stage_fails_the_others_within_the_timeout() -> None:
+    results = run_ranks(failure, 3, "sleep", timeout=120)
+    kind, text, *_, seconds = results[2]
+    assert kind == "StageFailure" and "timed out" in text and "rank 1" in text, text
+    assert seconds < 8
+    kind, text, *_, seconds = results[0]
+    assert kind == "StageFailure", text
