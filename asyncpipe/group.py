@@ -13,9 +13,7 @@ __all__: list[str] = []
 _TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def init(
-    backend: str | None = None, timeout: float | datetime.timedelta = 300.0
-) -> None:
+def init(backend: str | None = None, timeout: float | datetime.timedelta = 300.0) -> None:
     """Set up the default process group from torchrun's environment.
 
     Harmless when the process group already exists (it is left as it is). The backend is

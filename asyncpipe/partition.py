@@ -68,7 +68,9 @@ def stage_of_positions(balance: Sequence[int]) -> list[int]:
     return [stage for stage, count in enumerate(balance) for _ in range(count)]
 
 
-def partition(layers: Sequence[Layer], balance: Sequence[int]) -> tuple[list[Partition], list[Segment]]:
+def partition(
+    layers: Sequence[Layer], balance: Sequence[int]
+) -> tuple[list[Partition], list[Segment]]:
     """Split ``layers`` by ``balance`` into per-stage partitions and the segments to schedule.
 
     ``balance`` counts positions in ``layers``, so a layer reused at two positions counts twice;

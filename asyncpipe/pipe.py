@@ -59,8 +59,9 @@ def check_arguments(
         ]
         if bad:
             problems.append(
-                "every item of a layer list must be an nn.Module or a LazyModule (" +
-                ", ".join(bad) + "); wrap builders as LazyModule(lambda: layer)"
+                "every item of a layer list must be an nn.Module or a LazyModule ("
+                + ", ".join(bad)
+                + "); wrap builders as LazyModule(lambda: layer)"
             )
             kinds.append(TypeError)
         layers = list(module)
@@ -100,16 +101,16 @@ def check_arguments(
         )
         kinds.append(ValueError)
     if checkpoint not in POLICIES:
-        problems.append(
-            f"checkpoint must be one of {', '.join(POLICIES)} (got {checkpoint!r})"
-        )
+        problems.append(f"checkpoint must be one of {', '.join(POLICIES)} (got {checkpoint!r})")
         kinds.append(ValueError)
     if schedule not in SCHEDULES:
         problems.append(f"schedule must be one of {', '.join(SCHEDULES)} (got {schedule!r})")
         kinds.append(ValueError)
     if problems:
-        text = "; ".join(problems) if len(problems) == 1 else "\n  - ".join(
-            ["invalid AsyncPipe arguments:", *problems]
+        text = (
+            "; ".join(problems)
+            if len(problems) == 1
+            else "\n  - ".join(["invalid AsyncPipe arguments:", *problems])
         )
         raise (TypeError if TypeError in kinds and ValueError not in kinds else ValueError)(text)
     return layers
@@ -126,7 +127,9 @@ class _GatherOutputs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, pipe: AsyncPipe, sizes: list[int], phony: Tensor, *outputs: Tensor) -> Any:
+    def forward(
+        ctx: Any, pipe: AsyncPipe, sizes: list[int], phony: Tensor, *outputs: Tensor
+    ) -> Any:
         ctx.pipe, ctx.sizes = pipe, sizes
         return tuple(o.detach().clone() for o in outputs)
 
@@ -242,7 +245,11 @@ class AsyncPipe(nn.Module):
             if seg.stage == self.stage
         }
         self._runtime = Runtime(
-            self.stage, local, [seg.stage for seg in segments], transport, self.timeout,
+            self.stage,
+            local,
+            [seg.stage for seg in segments],
+            transport,
+            self.timeout,
             self.device,
         )
         self._last_segment = len(segments) - 1
@@ -284,7 +291,9 @@ class AsyncPipe(nn.Module):
             ) from self._broken
 
     def _run(
-        self, prepare: Callable[[int | None], Work], phase: Callable[[Action], bool] | None = None,
+        self,
+        prepare: Callable[[int | None], Work],
+        phase: Callable[[Action], bool] | None = None,
         resume: Work | None = None,
     ) -> Work:
         self._guard()
@@ -315,7 +324,11 @@ class AsyncPipe(nn.Module):
         return pieces
 
     def _prepare(
-        self, input: object, target: object, loss_fn: LossFn | None, train: bool,
+        self,
+        input: object,
+        target: object,
+        loss_fn: LossFn | None,
+        train: bool,
     ) -> Callable[[int | None], Work]:
         def prepare(microbatches: int | None) -> Work:
             inputs = targets = None
@@ -328,7 +341,11 @@ class AsyncPipe(nn.Module):
             assert microbatches is not None
             policy = self.checkpoint if self.training else "never"
             return Work(
-                microbatches, train, inputs=inputs, targets=targets, loss_fn=loss_fn,
+                microbatches,
+                train,
+                inputs=inputs,
+                targets=targets,
+                loss_fn=loss_fn,
                 policy=policy,
             )
 
@@ -398,7 +415,8 @@ class AsyncPipe(nn.Module):
         sizes = [out[0].shape[0] for out in outputs]
         joined = gather([tuple(t.detach() for t in out) for out in outputs])
         phony = torch.empty(0, requires_grad=True)  # makes the output ask for gradients
-        return unwrap(_GatherOutputs.apply(self, sizes, phony, *joined))
+        joined_out = _GatherOutputs.apply(self, sizes, phony, *joined)  # type: ignore[no-untyped-call]
+        return unwrap(joined_out)
 
     def _backward_phase(self, output_grads: list[tuple[Tensor | None, ...]] | None) -> None:
         work, self._pending = self._pending, None

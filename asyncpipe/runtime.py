@@ -77,7 +77,12 @@ class Failed(Exception):
     """Internal: carries what failed, where, for the status exchange."""
 
     def __init__(
-        self, text: str, stage: int, microbatch: int, action: str, rank: int,
+        self,
+        text: str,
+        stage: int,
+        microbatch: int,
+        action: str,
+        rank: int,
         source: int | None = None,
     ) -> None:
         super().__init__(text)
@@ -117,7 +122,7 @@ class Runtime:
     def __init__(
         self,
         rank: int,
-        segments: dict[int, list[Callable[[object], object]]],
+        segments: dict[int, list[torch.nn.Module]],
         owners: list[int],
         transport: Transport,
         timeout: float,
@@ -226,18 +231,18 @@ class Runtime:
         except Failed as e:
             failure, original = e, e
         except Exception as e:
-            action = Action.parse(current) if current not in ("", "prepare") else None
-            if action is not None:
+            failed = Action.parse(current) if current not in ("", "prepare") else None
+            if failed is not None:
                 text = (
-                    f"stage {action.stage} failed in {current} (micro-batch "
-                    f"{action.microbatch}) on rank {self.rank}: {type(e).__name__}: {e}"
+                    f"stage {failed.stage} failed in {current} (micro-batch "
+                    f"{failed.microbatch}) on rank {self.rank}: {type(e).__name__}: {e}"
                 )
             elif current == "prepare":
                 text = f"rank {self.rank} rejected its arguments: {type(e).__name__}: {e}"
             else:
                 text = f"rank {self.rank} failed before its first action: {type(e).__name__}: {e}"
-            stage = action.stage if action else -1
-            mb = action.microbatch if action else -1
+            stage = failed.stage if failed else -1
+            mb = failed.microbatch if failed else -1
             failure, original = Failed(text, stage, mb, current, self.rank), e
         if failure is not None:
             self._notify(failure)
@@ -260,7 +265,9 @@ class Runtime:
             except Exception:  # noqa: S112 - best effort: the peer may be gone already
                 continue
 
-    def _finish(self, work: Work | None, failure: Failed | None, original: BaseException | None) -> None:
+    def _finish(
+        self, work: Work | None, failure: Failed | None, original: BaseException | None
+    ) -> None:
         """Exchange status with every rank; raise if any rank failed; else settle the sends."""
         status = [work.loss_sum if work else 0.0, _OK, -1.0, -1.0, -1.0]
         if failure is not None:
@@ -273,7 +280,10 @@ class Runtime:
                 raise self._raise(failure, original) from None
             raise StageFailure(
                 f"rank {self.rank} could not learn whether the other ranks finished the step: {e}",
-                rank=self.rank, stage=-1, microbatch=-1, action="",
+                rank=self.rank,
+                stage=-1,
+                microbatch=-1,
+                action="",
             ) from e
         if failure is not None:
             raise self._raise(failure, original)
@@ -283,7 +293,10 @@ class Runtime:
             raise StageFailure(
                 f"stage {stage} failed at micro-batch {mb} on rank {rank} (see that rank's "
                 f"error for the cause); rank {self.rank} finished its own work",
-                rank=rank, stage=stage, microbatch=mb, action="",
+                rank=rank,
+                stage=stage,
+                microbatch=mb,
+                action="",
             )
         assert work is not None
         work.loss_sum = sum(row[0] for row in table)
@@ -293,7 +306,10 @@ class Runtime:
         if failure.action == "prepare" and isinstance(original, (TypeError, ValueError)):
             return original  # the caller's own bad argument: raise it as it is
         error = StageFailure(
-            failure.text, rank=failure.rank, stage=failure.stage, microbatch=failure.microbatch,
+            failure.text,
+            rank=failure.rank,
+            stage=failure.stage,
+            microbatch=failure.microbatch,
             action=failure.action,
         )
         if original is not None and not isinstance(original, Failed):
@@ -340,9 +356,10 @@ class Runtime:
             assert work.targets is not None
             loss = work.loss_fn(unwrap(out), unwrap(work.targets[i]))
             if not isinstance(loss, Tensor) or loss.numel() != 1:
+                shape = tuple(loss.shape) if isinstance(loss, Tensor) else ""
                 raise TypeError(
                     f"loss_fn must return a tensor with one element (got "
-                    f"{type(loss).__name__}{'' if not isinstance(loss, Tensor) else tuple(loss.shape)})"
+                    f"{type(loss).__name__}{shape})"
                 )
             work.losses[i] = loss
         return out
@@ -359,8 +376,7 @@ class Runtime:
                 # Announce the gradients the recomputed outputs will want.
                 if self._wants_grad(seg, x):
                     out = tuple(
-                        t.detach().requires_grad_(True) if t.is_floating_point() else t
-                        for t in out
+                        t.detach().requires_grad_(True) if t.is_floating_point() else t for t in out
                     )
             else:
                 out = self._compute(work, seg, i, x)
@@ -374,8 +390,12 @@ class Runtime:
     def _wants_grad(self, seg: int, x: Tensors) -> bool:
         if any(t.requires_grad for t in x):
             return True
-        params = (p for layer in self.segments[seg] if isinstance(layer, torch.nn.Module)
-                  for p in layer.parameters())
+        params = (
+            p
+            for layer in self.segments[seg]
+            if isinstance(layer, torch.nn.Module)
+            for p in layer.parameters()
+        )
         return any(p.requires_grad for p in params)
 
     def send_forward(self, work: Work, action: Action) -> None:
@@ -391,22 +411,23 @@ class Runtime:
         if rng is not None:  # recompute; autograd may be running us with gradients off
             with rng.restored(), torch.enable_grad():
                 out = self._compute(work, seg, i, x)
-        if seg == self.last:
-            if work.loss_fn is not None:
-                roots, grads = [work.losses.pop(i) / work.microbatches], [None]
-            else:
-                assert work.output_grads is not None
-                pairs = [(o, g) for o, g in zip(out, work.output_grads[i]) if g is not None]
-                roots, grads = [o for o, _ in pairs], [g for _, g in pairs]
+        roots: list[Tensor] = []
+        grads: list[Tensor | None] = []
+        if seg == self.last and work.loss_fn is not None:
+            roots, grads = [work.losses.pop(i) / work.microbatches], [None]
         else:
-            given = work.grads.pop((seg, i))
-            pairs = [(o, g) for o, g in zip(out, given) if g is not None and o.requires_grad]
-            roots, grads = [o for o, _ in pairs], [g for _, g in pairs]
-        roots_with_grad = [(r, g) for r, g in zip(roots, grads) if r.requires_grad]
-        if roots_with_grad:
-            torch.autograd.backward(
-                [r for r, _ in roots_with_grad], [g for _, g in roots_with_grad]  # type: ignore[misc]
-            )
+            if seg == self.last:
+                assert work.output_grads is not None
+                given = work.output_grads[i]
+            else:
+                given = work.grads.pop((seg, i))
+            for o, g in zip(out, given):
+                if g is not None and o.requires_grad:
+                    roots.append(o)
+                    grads.append(g)
+        pairs = [(r, g) for r, g in zip(roots, grads) if r.requires_grad]
+        if pairs:
+            torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
         if seg > 0:
             work.grads[(seg - 1, i)] = tuple(t.grad if t.requires_grad else None for t in x)
 

@@ -81,7 +81,10 @@ def features(rank: int, world: int) -> Any:
     mine = range(0, 3) if rank == 0 else range(3, 4)
     want = [g for n, g in enumerate(grads) if n // 2 in mine]
     got = [p.grad for p in pipe.parameters()]
-    out["lazy"] = (abs(loss - want_loss), max(float((a - b).abs().max()) for a, b in zip(got, want)))
+    out["lazy"] = (
+        abs(loss - want_loss),
+        max(float((a - b).abs().max()) for a, b in zip(got, want)),
+    )
 
     # a layer reused across stages runs on its owner
     torch.manual_seed(2)
@@ -90,7 +93,10 @@ def features(rank: int, world: int) -> Any:
     want_loss, grads = reference(nn.Sequential(*layers), x, y, 3, mse)
     pipe = AsyncPipe(layers, [2, 3], chunks=3, timeout=30)
     loss = pipe.step(x, y, mse)
-    out["reuse"] = (abs(loss - want_loss), _diff(pipe, dict(enumerate(grads)), nn.Sequential(*layers)))
+    out["reuse"] = (
+        abs(loss - want_loss),
+        _diff(pipe, dict(enumerate(grads)), nn.Sequential(*layers)),
+    )
 
     # fairscale-style forward and back_helper
     model = mlp(4, seed=5)
@@ -141,14 +147,18 @@ class Fail(nn.Module):
             time.sleep(8)
         out = self.lin(x)
         if self.where == "backward" and self.calls == 1:
-            out.register_hook(lambda g: (_ for _ in ()).throw(ValueError("injected backward failure")))
+            out.register_hook(
+                lambda g: (_ for _ in ()).throw(ValueError("injected backward failure"))
+            )
         return out
 
 
 def failure(rank: int, world: int, where: str) -> Any:
     """Run a step where stage 1 fails; return what each rank saw and how long it took."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), Fail(where), *[nn.Linear(8, 8) for _ in range(world - 2)])
+    model = nn.Sequential(
+        nn.Linear(8, 8), Fail(where), *[nn.Linear(8, 8) for _ in range(world - 2)]
+    )
     timeout = 2.0 if where == "sleep" else 30.0
     pipe = AsyncPipe(model, [1] * world, chunks=4, checkpoint="never", timeout=timeout)
     began = time.monotonic()

@@ -11,7 +11,9 @@ from torch import Tensor, nn
 
 def mlp(layers: int = 4, width: int = 8, seed: int = 0) -> nn.Sequential:
     torch.manual_seed(seed)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(layers)])
+    return nn.Sequential(
+        *[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(layers)]
+    )
 
 
 def reference(
@@ -29,7 +31,9 @@ def reference(
         loss = loss_fn(out, py[0] if len(py) == 1 else py) / len(pieces_x)
         loss.backward()
         total += float(loss.detach())
-    return total, [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in plain.parameters()]
+    return total, [
+        p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in plain.parameters()
+    ]
 
 
 def grads_of(params: Sequence[nn.Parameter]) -> list[Tensor]:

@@ -21,10 +21,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _worker(rank: int, world: int, port: int, out: str, fn: Callable[..., Any], args: tuple) -> None:
+def _worker(
+    rank: int, world: int, port: int, out: str, fn: Callable[..., Any], args: tuple
+) -> None:
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        OMP_NUM_THREADS="1",
     )
     torch.set_num_threads(1)
     try:
@@ -58,7 +64,9 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 1
     return [res[1] for res in results]
 
 
-def run_ranks_raw(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120) -> list[Any]:
+def run_ranks_raw(
+    fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120
+) -> list[Any]:
     """Like :func:`run_ranks`, but return ``("ok", value)`` or ``("error", text, tb)`` per rank;
     a rank that neither finished nor failed within ``timeout`` fails the test."""
     ctx = mp.get_context("spawn")
@@ -83,6 +91,8 @@ def run_ranks_raw(fn: Callable[..., Any], world: int, *args: Any, timeout: float
         for r in range(world):
             path = os.path.join(out, f"rank{r}.pt")
             if not os.path.exists(path):
-                raise AssertionError(f"rank {r} died without a result (exit code {procs[r].exitcode})")
+                raise AssertionError(
+                    f"rank {r} died without a result (exit code {procs[r].exitcode})"
+                )
             results.append(torch.load(path, weights_only=False))
         return results

@@ -48,7 +48,7 @@ def test_failure_reaches_every_rank(where: str, action: str) -> None:
     for rank, (kind, text, stage, microbatch, _, seconds) in enumerate(results):
         assert kind == "StageFailure", (rank, kind, text)
         assert stage == 1 and microbatch == int(action[-1]), (rank, text)
-        assert f"stage 1" in text and f"injected {where} failure" in text or rank != 1, text
+        assert "stage 1" in text and f"injected {where} failure" in text or rank != 1, text
         assert seconds < 30
     assert results[1][4] == action
 

@@ -19,7 +19,12 @@ mse = nn.functional.mse_loss
 
 
 def step_all(
-    model: nn.Module | list[Any], balance: list[int], chunks: int, policy: str, x: Any, y: Any,
+    model: nn.Module | list[Any],
+    balance: list[int],
+    chunks: int,
+    policy: str,
+    x: Any,
+    y: Any,
     loss_fn: Any = mse,
 ) -> list[tuple[float, AsyncPipe]]:
     def fn(rank: int, transport: Transport) -> tuple[float, AsyncPipe]:
@@ -213,13 +218,15 @@ class Boom(nn.Module):
 @pytest.mark.parametrize("where,action", [("forward", "1F2"), ("backward", "1B1")])
 def test_failure_in_one_stage_reaches_every_rank(where: str, action: str) -> None:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), Boom(where, 2 if where == "forward" else 1),
-                          nn.Linear(8, 8))
+    model = nn.Sequential(
+        nn.Linear(8, 8), Boom(where, 2 if where == "forward" else 1), nn.Linear(8, 8)
+    )
     x, y = torch.randn(8, 8), torch.randn(8, 8)
 
     def fn(rank: int, transport: Transport) -> float:
-        pipe = AsyncPipe(model, [1, 1, 1], chunks=4, checkpoint="never", transport=transport,
-                         timeout=10)
+        pipe = AsyncPipe(
+            model, [1, 1, 1], chunks=4, checkpoint="never", transport=transport, timeout=10
+        )
         return pipe.step(x, y, mse)
 
     results = run_threads(fn, 3)

@@ -25,8 +25,10 @@ def test_partition_with_reuse_across_stages_makes_invocation_chains() -> None:
     a, b, c = nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2)
     parts, segments = partition([a, b, c, a, b], [2, 3])
     assert parts[0].layers == (a, b) and parts[1].layers == (c,)
-    chain = [inv.this for inv in sorted(parts[0].invocations + parts[1].invocations,
-                                        key=lambda inv: inv.order)]
+    chain = [
+        inv.this
+        for inv in sorted(parts[0].invocations + parts[1].invocations, key=lambda inv: inv.order)
+    ]
     assert chain == [Location(0, 0), Location(0, 1), Location(1, 0), Location(0, 0), Location(0, 1)]
     third = next(inv for inv in parts[0].invocations if inv.order == 3)
     assert third == Invocation(3, Location(0, 0), Location(1, 0), Location(0, 1))

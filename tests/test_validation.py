@@ -61,16 +61,20 @@ def test_module_type() -> None:
 
 def test_every_problem_is_listed_at_once() -> None:
     with pytest.raises(ValueError) as info:
-        AsyncPipe(mlp(4), [2, 1], chunks=0, checkpoint="nope", schedule="magic",
-                  transport=transport())
+        AsyncPipe(
+            mlp(4), [2, 1], chunks=0, checkpoint="nope", schedule="magic", transport=transport()
+        )
     text = str(info.value)
     for part in ["sum of balance", "chunks must be", "checkpoint must be", "schedule must be"]:
         assert part in text
 
 
 def test_world_size_must_match_balance() -> None:
-    with pytest.raises(ValueError, match=r"one entry per pipeline rank \(ranks: 4, entries in "
-                                         r"balance: 2\); launch 2 processes"):
+    with pytest.raises(
+        ValueError,
+        match=r"one entry per pipeline rank \(ranks: 4, entries in "
+        r"balance: 2\); launch 2 processes",
+    ):
         AsyncPipe(mlp(4), [2, 2], transport=transport(4))
     with pytest.raises(ValueError, match="give balance 1 entries"):
         AsyncPipe(mlp(4), [2, 2], transport=transport(1))

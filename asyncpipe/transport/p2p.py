@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .base import Message, PeerError, PendingRecv, Transport, TransportTimeout
+from .base import Message, PendingRecv, Transport, TransportTimeout
 
 __all__: list[str] = []
 
@@ -79,7 +79,8 @@ class _P2PRecv(PendingRecv):
             self.header, transport.global_rank(src), group=transport.group, tag=2 * channel
         )
 
-    def _wait(self, work: dist.Work, timeout: float, what: str) -> None:
+    def _wait(self, work: dist.Work | None, timeout: float, what: str) -> None:
+        assert work is not None  # point-to-point operations always return a Work
         try:
             work.wait(datetime.timedelta(seconds=max(timeout, 0.001)))
         except RuntimeError as e:
@@ -120,7 +121,8 @@ class _P2PRecv(PendingRecv):
             if tensor is not None and requires_grad:
                 tensor.requires_grad_(True)
         if kind == _ERROR:
-            text = bytes(tensors[0].tolist()).decode("utf-8", "replace") if tensors else ""
+            data = tensors[0] if tensors else None
+            text = bytes(data.tolist()).decode("utf-8", "replace") if data is not None else ""
             return Message(microbatch, microbatches, (), error=text or "unknown failure")
         return Message(microbatch, microbatches, tuple(tensors))
 
@@ -148,9 +150,11 @@ class P2PTransport(Transport):
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self._ranks = [dist.get_global_rank(group, r) if group else r for r in range(self.world_size)]
+        self._ranks = [
+            dist.get_global_rank(group, r) if group else r for r in range(self.world_size)
+        ]
         self.device = device or torch.device("cpu")
-        self._pending: list[tuple[dist.Work, list[Tensor]]] = []
+        self._pending: list[tuple[dist.Work | None, list[Tensor]]] = []
 
     def global_rank(self, rank: int) -> int:
         return self._ranks[rank]
@@ -167,10 +171,8 @@ class P2PTransport(Transport):
         header = encode_header(message, payload).to(self.device)
         peer = self.global_rank(dst)
         keep = [header]
-        self._pending = [(w, k) for w, k in self._pending if not w.is_completed()]
-        self._pending.append(
-            (dist.isend(header, peer, group=self.group, tag=2 * channel), keep)
-        )
+        self._pending = [(w, k) for w, k in self._pending if w is not None and not w.is_completed()]
+        self._pending.append((dist.isend(header, peer, group=self.group, tag=2 * channel), keep))
         for tensor in payload:
             if tensor is not None:
                 plain = tensor.detach()
@@ -183,6 +185,8 @@ class P2PTransport(Transport):
     def flush(self, timeout: float) -> None:
         pending, self._pending = self._pending, []
         for work, _ in pending:
+            if work is None:
+                continue
             try:
                 work.wait(datetime.timedelta(seconds=max(timeout, 0.001)))
             except RuntimeError as e:
