@@ -217,7 +217,7 @@ class Runtime:
                 if action.kind.is_recv:
                     if action == first_action and first is not None:
                         work.pending[action] = first
-                    else:
+                    elif self.transport.early_receives:
                         work.pending[action] = self.transport.recv(*self.channel(action))
             for action in row:
                 current = str(action)
@@ -325,7 +325,10 @@ class Runtime:
     # ----- handlers ----------------------------------------------------------------------
 
     def recv(self, work: Work, action: Action) -> None:
-        message = work.pending.pop(action).wait(self.timeout)
+        pending = work.pending.pop(action, None)
+        if pending is None:  # this transport takes receives only when they are due
+            pending = self.transport.recv(*self.channel(action))
+        message = pending.wait(self.timeout)
         self._check_error(message, action)
         if message.microbatch != action.microbatch or message.microbatches != work.microbatches:
             raise RuntimeError(

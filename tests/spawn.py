@@ -22,7 +22,7 @@ def free_port() -> int:
 
 
 def _worker(
-    rank: int, world: int, port: int, out: str, fn: Callable[..., Any], args: tuple
+    rank: int, world: int, port: int, out: str, fn: Callable[..., Any], args: tuple, backend: str
 ) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -36,7 +36,9 @@ def _worker(
     try:
         import asyncpipe
 
-        asyncpipe.init(backend="gloo", timeout=60)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        asyncpipe.init(backend=backend, timeout=60)
         result: Any = ("ok", fn(rank, world, *args))
     except BaseException as e:  # report everything to the parent
         result = ("error", f"{type(e).__name__}: {e}", traceback.format_exc())
@@ -50,14 +52,16 @@ def _worker(
         os._exit(0)
 
 
-def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120) -> list[Any]:
+def run_ranks(
+    fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120, backend: str = "gloo"
+) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` spawned processes; return each rank's
     result, or raise AssertionError naming the ranks that failed or hung.
 
     A rank that raised comes back as ``("error", text, traceback)`` only if ``fn`` is expected
     to raise; use :func:`run_ranks_raw` for that.
     """
-    results = run_ranks_raw(fn, world, *args, timeout=timeout)
+    results = run_ranks_raw(fn, world, *args, timeout=timeout, backend=backend)
     errors = [f"rank {r}: {res[2]}" for r, res in enumerate(results) if res[0] != "ok"]
     if errors:
         raise AssertionError("\n".join(errors))
@@ -65,7 +69,7 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 1
 
 
 def run_ranks_raw(
-    fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120
+    fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120, backend: str = "gloo"
 ) -> list[Any]:
     """Like :func:`run_ranks`, but return ``("ok", value)`` or ``("error", text, tb)`` per rank;
     a rank that neither finished nor failed within ``timeout`` fails the test."""
@@ -73,7 +77,7 @@ def run_ranks_raw(
     port = free_port()
     with tempfile.TemporaryDirectory() as out:
         procs = [
-            ctx.Process(target=_worker, args=(r, world, port, out, fn, args), daemon=True)
+            ctx.Process(target=_worker, args=(r, world, port, out, fn, args, backend), daemon=True)
             for r in range(world)
         ]
         for p in procs:

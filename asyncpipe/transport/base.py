@@ -49,6 +49,10 @@ class Transport(abc.ABC):
 
     rank: int
     world_size: int
+    early_receives: bool = True
+    """Whether receives may be posted ahead of time, in any number per channel. NCCL matches
+    point-to-point operations between two ranks in posting order regardless of tags, so the
+    p2p transport over NCCL posts each receive only when the runtime reaches it."""
 
     @abc.abstractmethod
     def send(self, dst: int, channel: int, message: Message) -> None:

@@ -154,6 +154,7 @@ class P2PTransport(Transport):
             dist.get_global_rank(group, r) if group else r for r in range(self.world_size)
         ]
         self.device = device or torch.device("cpu")
+        self.early_receives = dist.get_backend(group) != "nccl"
         self._pending: list[tuple[dist.Work | None, list[Tensor]]] = []
 
     def global_rank(self, rank: int) -> int:
