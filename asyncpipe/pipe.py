@@ -271,6 +271,16 @@ class AsyncPipe(nn.Module):
         return self.layers[index]
 
     @property
+    def first_rank(self) -> int:
+        """The rank that reads the input (it runs the first layer)."""
+        return self._first_rank
+
+    @property
+    def last_rank(self) -> int:
+        """The rank that computes the loss and gets the output (it runs the last layer)."""
+        return self._last_rank
+
+    @property
     def is_first_stage(self) -> bool:
         """Whether this rank reads the input (it runs the first layer)."""
         return self.stage == self._first_rank

@@ -1,0 +1,30 @@
+"""The main example runs end to end under torchrun and its loss falls."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from spawn import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_train_lm_runs_under_torchrun() -> None:
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
+        "--master-addr=127.0.0.1", f"--master-port={free_port()}",
+        str(ROOT / "examples" / "train_lm.py"),
+        "--steps", "8", "--dim", "32", "--depth", "2", "--log-every", "4", "--sample-chars", "20",
+    ]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    result = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    losses = [float(v) for v in re.findall(r"step +\d+/\d+ +loss (\d+\.\d+)", result.stdout)]
+    assert len(losses) >= 2 and losses[-1] < losses[0], result.stdout
+    assert "idle" in result.stdout
