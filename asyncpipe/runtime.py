@@ -8,11 +8,12 @@ segment is on the same rank)::
     seg s-1 ──outputs──> [RECV_F] inputs(leaves) ──F──> outputs ──> [SEND_F] seg s+1
     seg s-1 <──x.grad── [SEND_B] inputs.grad <──B── grads of outputs <── [RECV_B] seg s+1
 
-Every step ends with an exchange of status among the ranks, so a failure anywhere reaches all.
+Every step ends with each rank telling every other how it went, so a failure reaches all.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +35,8 @@ LossFn = Callable[[object, object], Tensor]
 _KINDS = list(Kind)
 _OK, _FAILED, _RELAYED = 0.0, 1.0, 2.0
 _SEPARATOR = "\x1f"
+_NEWS_SECONDS = 2.0  # how long a failed rank waits for its failure notices to be taken
+STATUS_CHANNEL = 1 << 20  # every rank tells every other how its step ended
 
 
 def unwrap(tensors: Tensors) -> object:
@@ -180,7 +183,6 @@ class Runtime:
         self,
         prepare: Callable[[int | None], Work],
         phase: Callable[[Action], bool] = lambda a: True,
-        exchange: bool = True,
         resume: Work | None = None,
     ) -> tuple[Work, StepReport]:
         """Run the actions of this rank's row for which ``phase`` holds.
@@ -188,7 +190,6 @@ class Runtime:
         ``prepare(m)`` builds the step's :class:`Work`; it gets the number of micro-batches
         when this rank learnt it from a message (ranks without segment 0), else ``None``.
         ``resume`` continues a step begun by an earlier call instead (e.g. its backward).
-        ``exchange`` ends the call with the status exchange among all ranks.
         """
         start = time.perf_counter()
         events: list[tuple[str, float, float]] = []
@@ -197,6 +198,8 @@ class Runtime:
         current = ""
         failure: Failed | None = None
         original: BaseException | None = None
+        peers = [r for r in range(self.transport.world_size) if r != self.rank]
+        statuses = {peer: self.transport.recv(peer, STATUS_CHANNEL) for peer in peers}
         try:
             first: PendingRecv | None = None
             first_action: Action | None = None
@@ -204,7 +207,7 @@ class Runtime:
             if 0 not in self.segments and resume is None:
                 seg = min(self.segments)
                 first_action = Action(seg, Kind.RECV_F, 0, seg - 1)
-                first = self.transport.recv(*self.channel(first_action))
+                first = self.transport.recv(*self.channel(first_action), 0)
                 current = str(first_action)
                 message = first.wait(self.timeout)
                 self._check_error(message, first_action)
@@ -218,7 +221,9 @@ class Runtime:
                     if action == first_action and first is not None:
                         work.pending[action] = first
                     elif self.transport.early_receives:
-                        work.pending[action] = self.transport.recv(*self.channel(action))
+                        work.pending[action] = self.transport.recv(
+                            *self.channel(action), action.microbatch
+                        )
             for action in row:
                 current = str(action)
                 began = time.perf_counter()
@@ -246,10 +251,7 @@ class Runtime:
             failure, original = Failed(text, stage, mb, current, self.rank), e
         if failure is not None:
             self._notify(failure)
-        if exchange:
-            self._finish(work, failure, original)
-        elif failure is not None:
-            raise self._raise(failure, original)
+        self._finish(work, failure, original, statuses)
         seconds = time.perf_counter() - start
         assert work is not None
         return work, StepReport(seconds, busy, events)
@@ -266,18 +268,40 @@ class Runtime:
                 continue
 
     def _finish(
-        self, work: Work | None, failure: Failed | None, original: BaseException | None
+        self,
+        work: Work | None,
+        failure: Failed | None,
+        original: BaseException | None,
+        statuses: dict[int, PendingRecv],
     ) -> None:
-        """Exchange status with every rank; raise if any rank failed; else settle the sends."""
+        """Tell every rank how this step ended and learn how theirs did: raise if any failed,
+        else settle the sends. A failed rank does not wait for the others' news."""
         status = [work.loss_sum if work else 0.0, _OK, -1.0, -1.0, -1.0]
         if failure is not None:
             status[1] = _RELAYED if failure.relayed else _FAILED
             status[2:] = [float(failure.stage), float(failure.microbatch), float(failure.rank)]
+        news = Message(0, 0, (torch.tensor(status, dtype=torch.float64, device=self.device),))
+        for peer in statuses:
+            try:
+                self.transport.send(peer, STATUS_CHANNEL, news)
+            except Exception:
+                if failure is None:
+                    raise
+        if failure is not None:
+            # Give the news a moment to leave before the caller (maybe) ends the process.
+            with contextlib.suppress(Exception):  # a peer that is gone cannot be told
+                self.transport.flush(min(self.timeout, _NEWS_SECONDS))
+            raise self._raise(failure, original)
+        table = [status]
         try:
-            table = self.transport.exchange(status, self.timeout)
+            for peer, pending in statuses.items():
+                message = pending.wait(self.timeout)
+                if message.error is not None or not message.tensors:
+                    raise RuntimeError(f"rank {peer} sent no status: {message.error}")
+                tensor = message.tensors[0]
+                assert tensor is not None
+                table.append(tensor.cpu().tolist())
         except Exception as e:
-            if failure is not None:
-                raise self._raise(failure, original) from None
             raise StageFailure(
                 f"rank {self.rank} could not learn whether the other ranks finished the step: {e}",
                 rank=self.rank,
@@ -285,8 +309,6 @@ class Runtime:
                 microbatch=-1,
                 action="",
             ) from e
-        if failure is not None:
-            raise self._raise(failure, original)
         broken = [row for row in table if row[1] == _FAILED] or [r for r in table if r[1] != _OK]
         if broken:
             stage, mb, rank = (int(v) for v in broken[0][2:5])
@@ -327,7 +349,7 @@ class Runtime:
     def recv(self, work: Work, action: Action) -> None:
         pending = work.pending.pop(action, None)
         if pending is None:  # this transport takes receives only when they are due
-            pending = self.transport.recv(*self.channel(action))
+            pending = self.transport.recv(*self.channel(action), action.microbatch)
         message = pending.wait(self.timeout)
         self._check_error(message, action)
         if message.microbatch != action.microbatch or message.microbatches != work.microbatches:

@@ -9,7 +9,7 @@ from torch import nn
 from asyncpipe.microbatch import gather, scatter
 from asyncpipe.partition import Invocation, Location, partition
 from asyncpipe.transport import Message
-from asyncpipe.transport.p2p import decode_header, encode_header
+from asyncpipe.transport.p2p import decode_header, encode_header, layout
 
 
 def test_partition_without_reuse() -> None:
@@ -60,10 +60,13 @@ def test_scatter_rejects_scalars_and_empty() -> None:
 def test_header_round_trip() -> None:
     a = torch.zeros(3, 4, requires_grad=True)
     b = torch.zeros(5, dtype=torch.int64)
-    header = encode_header(Message(2, 8, (a, None, b)), [a, None, b])
-    kind, microbatch, microbatches, specs = decode_header(header)
+    fields = encode_header(Message(2, 8, (a, None, b)), [a, None, b])
+    kind, microbatch, microbatches, total, specs = decode_header(fields)
     assert (kind, microbatch, microbatches) == (0, 2, 8)
     assert specs == [(0, True, [3, 4]), (-1, False, []), (4, False, [5])]
+    offsets, size = layout(len(fields), specs)
+    assert size == total and all(o % 64 == 0 for o in offsets)
+    assert offsets[2] - offsets[0] >= 3 * 4 * 4 and total - offsets[2] >= 5 * 8
 
 
 def test_header_rejects_too_many_tensors() -> None:

@@ -1,6 +1,6 @@
 """Transports: one interface, several carriers (point-to-point, in-process)."""
 
-from .base import Message, PeerError, PendingRecv, Transport, TransportTimeout
+from .base import Message, PendingRecv, Transport, TransportTimeout
 from .inprocess import InProcessHub, InProcessTransport
 from .p2p import P2PTransport
 
@@ -9,7 +9,6 @@ __all__ = [
     "InProcessTransport",
     "Message",
     "P2PTransport",
-    "PeerError",
     "PendingRecv",
     "Transport",
     "TransportTimeout",

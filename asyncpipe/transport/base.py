@@ -1,4 +1,4 @@
-"""The transport interface: non-blocking sends, early-posted receives, and a status exchange."""
+"""The transport interface: non-blocking sends and receives posted ahead of time."""
 
 from __future__ import annotations
 
@@ -11,11 +11,7 @@ __all__: list[str] = []
 
 
 class TransportTimeout(TimeoutError):
-    """A receive or exchange did not finish in time; the message names the peer."""
-
-
-class PeerError(RuntimeError):
-    """A message from a peer said that it failed; the message carries its error text."""
+    """A receive did not finish in time; the message names the peer."""
 
 
 @dataclass(frozen=True)
@@ -59,16 +55,17 @@ class Transport(abc.ABC):
         """Start sending ``message``; returns without waiting for the receiver."""
 
     @abc.abstractmethod
-    def recv(self, src: int, channel: int) -> PendingRecv:
-        """Post a receive for the next message from ``src`` on ``channel``."""
+    def recv(self, src: int, channel: int, slot: int = 0) -> PendingRecv:
+        """Post a receive for the next message from ``src`` on ``channel``.
+
+        ``slot`` is the micro-batch of the message expected (the sender's
+        ``message.microbatch``); a transport may use it to size the receive ahead of time.
+        """
 
     @abc.abstractmethod
     def flush(self, timeout: float) -> None:
-        """Wait until every send started so far has been taken by its receiver."""
-
-    @abc.abstractmethod
-    def exchange(self, values: list[float], timeout: float) -> list[list[float]]:
-        """All-gather a short list of floats from every rank (same length everywhere)."""
+        """Wait, at most ``timeout`` s in all, until every send started so far has been taken
+        by its receiver; raise TransportTimeout if some were not."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources (pending messages are dropped)."""

@@ -25,8 +25,6 @@ class InProcessHub:
         self.world_size = world_size
         self._queues: dict[tuple[int, int, int], queue.Queue[Message]] = {}
         self._lock = threading.Lock()
-        self._barrier = threading.Barrier(world_size)
-        self._slots: list[list[float]] = [[] for _ in range(world_size)]
 
     def queue(self, src: int, dst: int, channel: int) -> queue.Queue[Message]:
         with self._lock:
@@ -34,20 +32,6 @@ class InProcessHub:
 
     def transport(self, rank: int) -> InProcessTransport:
         return InProcessTransport(self, rank)
-
-    def exchange(self, rank: int, values: list[float], timeout: float) -> list[list[float]]:
-        try:
-            self._barrier.wait(timeout)
-            self._slots[rank] = list(values)
-            self._barrier.wait(timeout)
-            result = [list(v) for v in self._slots]
-            self._barrier.wait(timeout)
-        except threading.BrokenBarrierError as e:
-            raise TransportTimeout(
-                f"rank {rank} timed out after {timeout:.1f} s waiting for the other ranks to "
-                f"finish the step (exchange of step status)"
-            ) from e
-        return result
 
 
 class _QueuedRecv(PendingRecv):
@@ -79,11 +63,8 @@ class InProcessTransport(Transport):
         copy = Message(message.microbatch, message.microbatches, tensors, message.error)
         self.hub.queue(self.rank, dst, channel).put(copy)
 
-    def recv(self, src: int, channel: int) -> PendingRecv:
+    def recv(self, src: int, channel: int, slot: int = 0) -> PendingRecv:
         return _QueuedRecv(self.hub.queue(src, self.rank, channel), src, self.rank)
 
     def flush(self, timeout: float) -> None:
         return None
-
-    def exchange(self, values: list[float], timeout: float) -> list[list[float]]:
-        return self.hub.exchange(self.rank, values, timeout)

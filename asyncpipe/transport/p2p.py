@@ -1,14 +1,24 @@
 """Point-to-point transport over torch.distributed isend/irecv (gloo on CPU, NCCL on CUDA).
 
-Each message is a fixed-size int64 header (micro-batch, shapes, dtypes, requires_grad) on tag
-``2 * channel`` followed by one payload message per tensor on tag ``2 * channel + 1``, so
-receivers need no shape declarations. Receives are posted as early as the runtime likes; the
-payload receives are posted as soon as the header is read.
+A message starts with an int64 header (micro-batch, dtypes, shapes, requires_grad), so
+receivers need no shape declarations. Over gloo, a receive may be larger than the message it
+gets, so each receive is posted early with a byte buffer as large as the biggest message seen so
+far in the same slot (channel and micro-batch), and a message that fits travels *packed*, header
+and tensors in one message::
+
+    packed     tag 2c     [ header | pad | tensor 0 | pad | tensor 1 ... ]
+    separate   tag 2c     [ header ]            (first time, or when it grew)
+               tag 2c+1   [ tensor 0 ] [ tensor 1 ] ...
+
+Sender and receiver keep the same record of sizes per slot, so both agree on whether a message
+fits. NCCL needs receives of the exact size, in posting order: there every message goes
+separate and each receive is posted only when it is due.
 """
 
 from __future__ import annotations
 
 import datetime
+import time
 from collections.abc import Sequence
 
 import torch
@@ -20,63 +30,112 @@ from .base import Message, PendingRecv, Transport, TransportTimeout
 __all__: list[str] = []
 
 HEADER_SIZE = 256
+HEADER_BYTES = 8 * HEADER_SIZE
+_ALIGN = 64
 _MAGIC = 0x41505031
-_DATA, _ERROR = 0, 1
+_PACKED, _ERROR, _SEPARATE = 0, 1, 2
 _DTYPES: list[torch.dtype] = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
 ]  # fmt: skip
 _CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
 
+Spec = tuple[int, bool, list[int]]
 
-def encode_header(message: Message, payload: Sequence[Tensor | None]) -> Tensor:
-    """Describe ``message`` in a fixed-size int64 tensor."""
-    fields = [_MAGIC, _ERROR if message.error else _DATA, message.microbatch, message.microbatches]
-    fields.append(len(payload))
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _nbytes(code: int, shape: Sequence[int]) -> int:
+    size = torch.empty((), dtype=_DTYPES[code]).element_size()
+    for d in shape:
+        size *= d
+    return size
+
+
+def layout(fields: int, specs: Sequence[Spec]) -> tuple[list[int], int]:
+    """Byte offsets of the tensors in a packed message, and its total size."""
+    offset = _aligned(8 * fields)
+    offsets = []
+    for code, _, shape in specs:
+        offsets.append(offset)
+        if code >= 0:
+            offset = _aligned(offset + _nbytes(code, shape))
+    return offsets, offset
+
+
+def encode_header(message: Message, payload: Sequence[Tensor | None]) -> list[int]:
+    """The header fields of ``message``: magic, field count, kind, micro-batch, micro-batches,
+    total packed bytes, tensor count, then (dtype code, requires_grad, ndim, *shape) each."""
+    specs: list[int] = []
     for tensor in payload:
         if tensor is None:
-            fields += [-1, 0, 0]
+            specs += [-1, 0, 0]
             continue
         if tensor.dtype not in _CODES:
             raise TypeError(
                 f"cannot send a tensor of dtype {tensor.dtype} between stages; supported: "
                 + ", ".join(str(d) for d in _DTYPES)
             )
-        fields += [_CODES[tensor.dtype], int(tensor.requires_grad), tensor.dim(), *tensor.shape]
-    if len(fields) > HEADER_SIZE:
+        specs += [_CODES[tensor.dtype], int(tensor.requires_grad), tensor.dim(), *tensor.shape]
+    count = 7 + len(specs)
+    if count > HEADER_SIZE:
         raise ValueError(
             f"too many tensors or dimensions cross one stage boundary for a message header "
-            f"({len(payload)} tensors need {len(fields)} header fields, at most {HEADER_SIZE}); "
+            f"({len(payload)} tensors need {count} header fields, at most {HEADER_SIZE}); "
             f"stack tensors together before the boundary"
         )
-    header = torch.zeros(HEADER_SIZE, dtype=torch.int64)
-    header[: len(fields)] = torch.tensor(fields, dtype=torch.int64)
-    return header
+    fields = [_MAGIC, count, _PACKED, message.microbatch, message.microbatches, 0, len(payload)]
+    fields += specs
+    fields[5] = layout(count, _specs(fields))[1]
+    return fields
 
 
-def decode_header(header: Tensor) -> tuple[int, int, int, list[tuple[int, bool, list[int]]]]:
-    """Read (kind, microbatch, microbatches, [(dtype code, requires_grad, shape), ...])."""
-    fields = header.tolist()
+def _specs(fields: Sequence[int]) -> list[Spec]:
+    specs, n = [], 7
+    for _ in range(fields[6]):
+        code, requires_grad, ndim = fields[n : n + 3]
+        specs.append((code, bool(requires_grad), list(fields[n + 3 : n + 3 + ndim])))
+        n += 3 + ndim
+    return specs
+
+
+def decode_header(fields: Sequence[int]) -> tuple[int, int, int, int, list[Spec]]:
+    """Read (kind, microbatch, microbatches, total bytes, specs) from header fields."""
     if fields[0] != _MAGIC:
         raise RuntimeError(
             "received a message that is not an asyncpipe header: are two pipelines (or other "
             "point-to-point traffic) sharing the same process group and tags?"
         )
-    kind, microbatch, microbatches, count = fields[1:5]
-    specs, n = [], 5
-    for _ in range(count):
-        code, requires_grad, ndim = fields[n : n + 3]
-        specs.append((code, bool(requires_grad), fields[n + 3 : n + 3 + ndim]))
-        n += 3 + ndim
-    return kind, microbatch, microbatches, specs
+    return fields[2], fields[3], fields[4], fields[5], _specs(fields)
+
+
+def _error_header(message: Message) -> Tensor:
+    """A header-only message whose fields after the seventh hold the error text, 7 bytes each."""
+    assert message.error is not None
+    text = message.error.encode("utf-8")[: 7 * (HEADER_SIZE - 7)]
+    chunks = [int.from_bytes(text[n : n + 7], "little") for n in range(0, len(text), 7)]
+    fields = [_MAGIC, 7 + len(chunks), _ERROR, message.microbatch, message.microbatches]
+    fields += [len(text), 0, *chunks]
+    header = torch.zeros(HEADER_SIZE, dtype=torch.int64)
+    header[: len(fields)] = torch.tensor(fields)
+    return header
+
+
+def _error_text(fields: Sequence[int]) -> str:
+    size = fields[5]
+    data = b"".join(v.to_bytes(7, "little") for v in fields[7:])
+    return data[:size].decode("utf-8", "replace") or "unknown failure"
 
 
 class _P2PRecv(PendingRecv):
-    def __init__(self, transport: P2PTransport, src: int, channel: int) -> None:
-        self.transport, self.src, self.channel = transport, src, channel
-        self.header = torch.empty(HEADER_SIZE, dtype=torch.int64, device=transport.device)
+    def __init__(self, transport: P2PTransport, src: int, channel: int, slot: int) -> None:
+        self.transport, self.src, self.channel, self.slot = transport, src, channel, slot
+        capacity = transport.capacity.get((src, channel, slot), HEADER_BYTES)
+        self.buffer = torch.empty(capacity, dtype=torch.uint8, device=transport.device)
         self.work = dist.irecv(
-            self.header, transport.global_rank(src), group=transport.group, tag=2 * channel
+            self.buffer, transport.global_rank(src), group=transport.group, tag=2 * channel
         )
 
     def _wait(self, work: dist.Work | None, timeout: float, what: str) -> None:
@@ -97,33 +156,43 @@ class _P2PRecv(PendingRecv):
             ) from e
 
     def wait(self, timeout: float) -> Message:
-        self._wait(self.work, timeout, "a message header")
-        kind, microbatch, microbatches, specs = decode_header(self.header.cpu())
+        self._wait(self.work, timeout, "a message")
+        head = self.buffer[:16].cpu().view(torch.int64).tolist()
+        if head[0] != _MAGIC or not 7 <= head[1] <= HEADER_SIZE:
+            decode_header(head)  # raises the explanation
+        fields = self.buffer[: 8 * head[1]].cpu().view(torch.int64).tolist()
+        if fields[2] == _ERROR:
+            return Message(fields[3], fields[4], (), error=_error_text(fields))
+        kind, microbatch, microbatches, total, specs = decode_header(fields)
+        transport = self.transport
+        key = (self.src, self.channel, self.slot)
         tensors: list[Tensor | None] = []
-        works = []
-        for code, _, shape in specs:
-            if code < 0:
-                tensors.append(None)
-                continue
-            buffer = torch.empty(shape, dtype=_DTYPES[code], device=self.transport.device)
-            works.append(
-                dist.irecv(
-                    buffer,
-                    self.transport.global_rank(self.src),
-                    group=self.transport.group,
-                    tag=2 * self.channel + 1,
-                )
-            )
-            tensors.append(buffer)
-        for work in works:
-            self._wait(work, timeout, f"the tensors of micro-batch {microbatch}")
+        if kind == _PACKED:
+            offsets, _ = layout(len(fields), specs)
+            for (code, _, shape), offset in zip(specs, offsets):
+                if code < 0:
+                    tensors.append(None)
+                    continue
+                data = self.buffer[offset : offset + _nbytes(code, shape)]
+                tensors.append(data.view(_DTYPES[code]).view(shape).detach())
+        else:
+            works = []
+            for code, _, shape in specs:
+                if code < 0:
+                    tensors.append(None)
+                    continue
+                buffer = torch.empty(shape, dtype=_DTYPES[code], device=transport.device)
+                peer = transport.global_rank(self.src)
+                tag = 2 * self.channel + 1
+                works.append(dist.irecv(buffer, peer, group=transport.group, tag=tag))
+                tensors.append(buffer)
+            for work in works:
+                self._wait(work, timeout, f"the tensors of micro-batch {microbatch}")
+            if kind == _SEPARATE:
+                transport.grow(key, total)
         for tensor, (_, requires_grad, _) in zip(tensors, specs):
             if tensor is not None and requires_grad:
                 tensor.requires_grad_(True)
-        if kind == _ERROR:
-            data = tensors[0] if tensors else None
-            text = bytes(data.tolist()).decode("utf-8", "replace") if data is not None else ""
-            return Message(microbatch, microbatches, (), error=text or "unknown failure")
         return Message(microbatch, microbatches, tuple(tensors))
 
 
@@ -154,58 +223,64 @@ class P2PTransport(Transport):
             dist.get_global_rank(group, r) if group else r for r in range(self.world_size)
         ]
         self.device = device or torch.device("cpu")
-        self.early_receives = dist.get_backend(group) != "nccl"
+        self.early_receives = self.packs = dist.get_backend(group) != "nccl"
+        self.capacity: dict[tuple[int, int, int], int] = {}
         self._pending: list[tuple[dist.Work | None, list[Tensor]]] = []
 
     def global_rank(self, rank: int) -> int:
         return self._ranks[rank]
 
+    def grow(self, key: tuple[int, int, int], size: int) -> None:
+        """Both ends call this after a separate message: later ones of that size fit."""
+        if self.packs:
+            self.capacity[key] = max(self.capacity.get(key, HEADER_BYTES), size)
+
+    def _isend(self, tensor: Tensor, dst: int, tag: int) -> None:
+        work = dist.isend(tensor, self.global_rank(dst), group=self.group, tag=tag)
+        self._pending.append((work, [tensor]))
+
     def send(self, dst: int, channel: int, message: Message) -> None:
-        if message.error is not None:
-            data = torch.tensor(list(message.error.encode("utf-8")), dtype=torch.uint8)
-            payload: list[Tensor | None] = [data.to(self.device)]
-        else:
-            payload = [None if t is None else t.detach().contiguous() for t in message.tensors]
-            for tensor, original in zip(payload, message.tensors):
-                if tensor is not None and original is not None and original.requires_grad:
-                    tensor.requires_grad_(True)
-        header = encode_header(message, payload).to(self.device)
-        peer = self.global_rank(dst)
-        keep = [header]
         self._pending = [(w, k) for w, k in self._pending if w is not None and not w.is_completed()]
-        self._pending.append((dist.isend(header, peer, group=self.group, tag=2 * channel), keep))
+        if message.error is not None:  # the text rides in the header: one message
+            self._isend(_error_header(message).view(torch.uint8).to(self.device), dst, 2 * channel)
+            return
+        payload = [None if t is None else t for t in message.tensors]
+        fields = encode_header(message, payload)
+        total = fields[5]
+        key = (dst, channel, message.microbatch)
+        if total <= self.capacity.get(key, HEADER_BYTES):
+            buffer = torch.empty(total, dtype=torch.uint8, device=self.device)
+            buffer[: 8 * len(fields)].view(torch.int64).copy_(torch.tensor(fields))
+            offsets, _ = layout(len(fields), _specs(fields))
+            for tensor, offset in zip(payload, offsets):
+                if tensor is not None:
+                    flat = tensor.detach().contiguous().view(-1).view(torch.uint8)
+                    buffer[offset : offset + flat.numel()].copy_(flat)
+            self._isend(buffer, dst, 2 * channel)
+            return
+        fields[2] = _SEPARATE
+        self.grow(key, total)
+        header = torch.zeros(HEADER_SIZE, dtype=torch.int64)
+        header[: len(fields)] = torch.tensor(fields)
+        self._isend(header.view(torch.uint8).to(self.device), dst, 2 * channel)
         for tensor in payload:
             if tensor is not None:
-                plain = tensor.detach()
-                work = dist.isend(plain, peer, group=self.group, tag=2 * channel + 1)
-                self._pending.append((work, [plain]))
+                self._isend(tensor.detach().contiguous(), dst, 2 * channel + 1)
 
-    def recv(self, src: int, channel: int) -> PendingRecv:
-        return _P2PRecv(self, src, channel)
+    def recv(self, src: int, channel: int, slot: int = 0) -> PendingRecv:
+        return _P2PRecv(self, src, channel, slot)
 
     def flush(self, timeout: float) -> None:
         pending, self._pending = self._pending, []
+        deadline = time.monotonic() + timeout
         for work, _ in pending:
             if work is None:
                 continue
+            left = max(deadline - time.monotonic(), 0.001)
             try:
-                work.wait(datetime.timedelta(seconds=max(timeout, 0.001)))
+                work.wait(datetime.timedelta(seconds=left))
             except RuntimeError as e:
                 raise TransportTimeout(
                     f"rank {self.rank} could not finish its sends within {timeout:.1f} s: "
                     f"{str(e).splitlines()[0]}"
                 ) from e
-
-    def exchange(self, values: list[float], timeout: float) -> list[list[float]]:
-        local = torch.tensor(values, dtype=torch.float64, device=self.device)
-        out = [torch.empty_like(local) for _ in range(self.world_size)]
-        work = dist.all_gather(out, local, group=self.group, async_op=True)
-        assert work is not None
-        try:
-            work.wait(datetime.timedelta(seconds=max(timeout, 0.001)))
-        except RuntimeError as e:
-            raise TransportTimeout(
-                f"rank {self.rank} timed out after {timeout:.1f} s waiting for the other ranks "
-                f"to finish the step: {str(e).splitlines()[0]}"
-            ) from e
-        return [t.cpu().tolist() for t in out]
