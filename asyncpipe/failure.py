@@ -35,6 +35,8 @@ class StepReport:
     seconds: float
     busy_seconds: float
     events: list[tuple[str, float, float]] = field(default_factory=list, repr=False)
+    start: float = 0.0
+    """``time.perf_counter()`` when the step began (the system-wide monotonic clock on Linux)."""
 
     @property
     def idle_fraction(self) -> float:

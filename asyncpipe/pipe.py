@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -345,7 +344,7 @@ class AsyncPipe(nn.Module):
             if self.is_first_stage:
                 inputs = self._scatter(input, "input", None)
                 microbatches = len(inputs)
-            if self.is_last_stage and loss_fn is not None:
+            if self.is_last_stage and loss_fn is not None and target is not None:
                 targets = self._scatter(target, "target", microbatches)
                 microbatches = len(targets)
             assert microbatches is not None
@@ -366,7 +365,8 @@ class AsyncPipe(nn.Module):
 
         Call it on every rank with the same chunks. ``input`` (a tensor or tuple of tensors) is
         read on the first stage and ``target`` on the last; other ranks may pass ``None``.
-        ``loss_fn(output, target)`` runs on the last stage for each micro-batch; each loss is
+        ``loss_fn(output, target)`` runs on the last stage for each micro-batch (with
+        ``target=None`` when the last stage passes no target); each loss is
         divided by the number of micro-batches before its backward, so the local parameters
         end up with the gradients of the mean micro-batch loss.
 
@@ -435,12 +435,7 @@ class AsyncPipe(nn.Module):
                 "there is no forward waiting for its backward: call pipe(input) first"
             )
         work.output_grads = output_grads
-        started = time.perf_counter()
         self._run(lambda m: work, _is_backward, resume=work)
-        if self.last_step is not None:
-            self.last_step = StepReport(
-                time.perf_counter() - started, self.last_step.busy_seconds, self.last_step.events
-            )
 
     def back_helper(self, output: object = None) -> None:
         """Take part in the backward of the last :meth:`forward` on a stage other than the last.

@@ -254,7 +254,7 @@ class Runtime:
         self._finish(work, failure, original, statuses)
         seconds = time.perf_counter() - start
         assert work is not None
-        return work, StepReport(seconds, busy, events)
+        return work, StepReport(seconds, busy, events, start)
 
     def _notify(self, failure: Failed) -> None:
         """Tell every peer that reads from this rank, so nobody waits for us in vain."""
@@ -378,8 +378,8 @@ class Runtime:
             value = layer(value)
         out = as_tensors(value, f"the output of stage {seg}")
         if seg == self.last and work.train and work.loss_fn is not None:
-            assert work.targets is not None
-            loss = work.loss_fn(unwrap(out), unwrap(work.targets[i]))
+            target = None if work.targets is None else unwrap(work.targets[i])
+            loss = work.loss_fn(unwrap(out), target)
             if not isinstance(loss, Tensor) or loss.numel() != 1:
                 shape = tuple(loss.shape) if isinstance(loss, Tensor) else ""
                 raise TypeError(

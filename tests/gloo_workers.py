@@ -60,6 +60,10 @@ def features(rank: int, world: int) -> Any:
     """Tuples, LazyModule lists, reused layers, fairscale-style forward, inference."""
     out: dict[str, Any] = {}
     last = rank == world - 1
+    import asyncpipe
+
+    asyncpipe.init()  # already set up by the spawn helper: harmless
+    out["init_again"] = torch.distributed.get_world_size() == world
     torch.manual_seed(0)
     x, y = torch.randn(6, 8), torch.randn(6, 8)
 

@@ -30,6 +30,7 @@ def test_tuples_lazy_modules_reuse_forward_and_inference() -> None:
     assert results[0]["lazy_built"] == [True, True, True, False]
     assert results[1]["lazy_built"] == [False, False, False, True]
     for rank, checks in enumerate(results):
+        assert checks["init_again"], rank
         assert checks["tuple"] < 1e-6, rank
         assert max(checks["lazy"]) < 1e-6, rank
         assert max(checks["reuse"]) < 1e-6, rank

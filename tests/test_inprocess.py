@@ -335,3 +335,18 @@ def test_step_reports_timing() -> None:
         assert {e[0] for e in report.events} >= {"0F0", "0B1"} or {"1F0", "1B1"} <= {
             e[0] for e in report.events
         }
+
+
+def test_loss_without_target_gets_none() -> None:
+    model = mlp(2)
+    x = torch.randn(4, 8)
+    seen: list[object] = []
+
+    def loss_fn(out: Tensor, target: object) -> Tensor:
+        seen.append(target)
+        return out.pow(2).mean()
+
+    results = step_all(model, [1, 1], 2, "never", x, None, loss_fn)
+    want, _ = reference(model, x, torch.zeros(4, 8), 2, lambda o, t: o.pow(2).mean())
+    assert results[0][0] == pytest.approx(want, rel=1e-6)
+    assert seen == [None, None]

@@ -47,8 +47,11 @@ def _aligned(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
+_ITEMSIZE = [torch.empty((), dtype=dtype).element_size() for dtype in _DTYPES]
+
+
 def _nbytes(code: int, shape: Sequence[int]) -> int:
-    size = torch.empty((), dtype=_DTYPES[code]).element_size()
+    size = _ITEMSIZE[code]
     for d in shape:
         size *= d
     return size

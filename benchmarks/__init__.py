@@ -1,0 +1,1 @@
+"""Benchmarks for asyncpipe on the reference workload (run ``python -m benchmarks.gpipe``)."""

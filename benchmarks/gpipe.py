@@ -1,0 +1,624 @@
+"""GPipe benchmark: asyncpipe vs torch.distributed.pipelining on the reference workload."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .launch import LaunchResult, launch
+from .worker import SYSTEMS
+from .workload import (
+    StageCosts,
+    calibrate,
+    calibrated_ideal_s,
+    nominal_ideal_s,
+)
+
+__all__ = ["Row", "main"]
+
+TARGET_RATIO = 1.10
+"""asyncpipe's target: step time <= 1.10x the nominal ideal at F = 5 ms, chunks 8, small."""
+
+
+BREAKDOWN = {
+    "compute_s": "compute",
+    "send_s": "send",
+    "recv_s": "recv (incl. wait)",
+    "head_s": "before 1st action",
+    "gap_s": "between actions",
+    "tail_s": "after last action",
+}
+"""asyncpipe's per-step time split (worker keys -> column names), from ``last_step.events``."""
+
+
+@dataclass
+class Row:
+    """One (system, chunks) result, aggregated over ranks and timed steps."""
+
+    system: str
+    chunks: int
+    nominal_s: float
+    calibrated_s: float
+    step_s: float | None = None
+    """Median over timed steps of the slowest rank's step time (all ranks start together)."""
+    step_min_s: float | None = None
+    step_max_s: float | None = None
+    idle: list[float] = field(default_factory=list)
+    """Per stage: mean over timed steps of 1 - (time inside the layers) / (the step's time)."""
+    lib_idle: list[float] = field(default_factory=list)
+    """Per stage, asyncpipe only: mean of ``pipe.last_step.idle_fraction``."""
+    lib_step_s: float | None = None
+    """asyncpipe only: median over steps of the slowest rank's ``pipe.last_step.seconds``."""
+    breakdown: list[dict[str, float]] = field(default_factory=list)
+    """Per stage, asyncpipe only: mean seconds per step of each part in :data:`BREAKDOWN`."""
+    error: str | None = None
+    rounds_s: list[float | None] = field(default_factory=list)
+    """The step time of every round (``--rounds``); the row's other numbers are the median's."""
+
+    @property
+    def vs_nominal(self) -> float | None:
+        return None if self.step_s is None else self.step_s / self.nominal_s
+
+    @property
+    def vs_calibrated(self) -> float | None:
+        return None if self.step_s is None else self.step_s / self.calibrated_s
+
+
+def _machine() -> str:
+    return (
+        f"{platform.platform()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+        f"Python {platform.python_version()}"
+    )
+
+
+def _revision() -> str:
+    """The repository's commit, and whether asyncpipe/ had uncommitted changes."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "asyncpipe"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (not a git checkout)"
+    return f"{head}" + (" + uncommitted changes in asyncpipe/" if dirty else "")
+
+
+def _fairscale_status() -> str:
+    try:
+        import fairscale  # type: ignore[import-not-found]
+    except Exception as exc:  # ImportError, or a broken install on this torch
+        return f"fairscale: not available ({type(exc).__name__}: {exc})"
+    version = getattr(fairscale, "__version__", "?")
+    return (
+        f"fairscale: {version} imports, but its Pipe is single-process (one device per "
+        f"partition) and has no torchrun multi-process runner here; not benchmarked"
+    )
+
+
+def _asyncpipe_status() -> str | None:
+    """None if ``asyncpipe.AsyncPipe`` can be imported, else why not."""
+    try:
+        import asyncpipe
+
+        asyncpipe.AsyncPipe  # noqa: B018 - the attribute check is the point
+    except Exception as exc:
+        return f"not available ({type(exc).__name__}: {exc})"
+    return None
+
+
+def _aggregate(
+    system: str,
+    chunks: int,
+    records: list[dict[str, Any]],
+    nominal_s: float,
+    calibrated_s: float,
+) -> Row:
+    row = Row(system, chunks, nominal_s, calibrated_s)
+    runs = []
+    for record in records:
+        match = [r for r in record["runs"] if r["chunks"] == chunks]
+        if not match:
+            return row
+        runs.append(match[0])
+    steps = min(len(r["seconds"]) for r in runs)
+    if steps == 0:
+        return row
+    per_step = [max(r["seconds"][i] for r in runs) for i in range(steps)]
+    row.step_s = statistics.median(per_step)
+    row.step_min_s, row.step_max_s = min(per_step), max(per_step)
+    row.idle = [
+        statistics.fmean(1.0 - r["busy"][i] / per_step[i] for i in range(steps)) for r in runs
+    ]
+    if all("lib_idle" in r for r in runs):
+        row.lib_idle = [statistics.fmean(r["lib_idle"]) for r in runs]
+        row.lib_step_s = statistics.median(
+            max(r["lib_seconds"][i] for r in runs) for i in range(steps)
+        )
+    if all(key in r for r in runs for key in BREAKDOWN):
+        row.breakdown = [{key: statistics.fmean(r[key]) for key in BREAKDOWN} for r in runs]
+    return row
+
+
+def format_breakdown(rows: list[Row], markdown: bool = False) -> str:
+    """asyncpipe's per-stage time split, mean ms per step, one line per (chunks, stage)."""
+    header = ["chunks", "stage", "step ms", *BREAKDOWN.values()]
+    cells = []
+    for row in rows:
+        if row.system != "asyncpipe" or not row.breakdown:
+            continue
+        for stage, parts in enumerate(row.breakdown):
+            values = [parts[key] * 1000 for key in BREAKDOWN]
+            cells.append([str(row.chunks), str(stage), _fmt_ms(sum(parts.values()))])
+            cells[-1] += [f"{v:.1f}" for v in values]
+    if not cells:
+        return ""
+    if markdown:
+        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        return "\n".join(lines + ["| " + " | ".join(c) + " |" for c in cells])
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(header)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True)) for line in cells]
+    return "\n".join(lines)
+
+
+def _load() -> str:
+    try:
+        one, five, _ = os.getloadavg()
+    except OSError:
+        return "unknown"
+    return f"{one:.2f} (1 min), {five:.2f} (5 min)"
+
+
+def merge_rounds(rounds: list[list[Row]]) -> list[Row]:
+    """One row per (system, chunks): the round with the median step time (lower median).
+
+    Systems run one after another, so with other load on the machine a single round can favour
+    whichever system ran in a quiet moment; several rounds interleave them.
+    """
+    by_key: dict[tuple[str, int], list[Row]] = {}
+    for rows in rounds:
+        for row in rows:
+            by_key.setdefault((row.system, row.chunks), []).append(row)
+    merged = []
+    for candidates in by_key.values():
+        good = sorted((r for r in candidates if r.step_s is not None), key=lambda r: r.step_s or 0)
+        row = good[(len(good) - 1) // 2] if good else candidates[0]
+        row.rounds_s = [r.step_s for r in candidates]
+        merged.append(row)
+    return merged
+
+
+def _read_records(out: Path, world: int) -> list[dict[str, Any] | None]:
+    records: list[dict[str, Any] | None] = []
+    for rank in range(world):
+        try:
+            records.append(json.loads((out / f"rank{rank}.json").read_text()))
+        except (OSError, ValueError):
+            records.append(None)
+    return records
+
+
+def _run_system(
+    system: str,
+    args: argparse.Namespace,
+    chunk_list: list[int],
+    ideals: dict[int, tuple[float, float]],
+    work: Path,
+    timeout_s: float,
+) -> list[Row]:
+    """Run ``system`` for every chunk count; a failed count is reported and the rest relaunched.
+
+    A worker stops at the first failing configuration (its peers may be stuck in a collective),
+    so after an error the group is relaunched for the remaining chunk counts. After a timeout
+    the remaining counts are not retried, which bounds the total time.
+    """
+    world = len(args.balance.split(","))
+    rows = {c: Row(system, c, *ideals[c]) for c in chunk_list}
+    if system == "asyncpipe" and (why := _asyncpipe_status()) is not None:
+        for row in rows.values():
+            row.error = why
+        return list(rows.values())
+    remaining = list(chunk_list)
+    attempt = 0
+    while remaining:
+        out = work / f"{system}-{attempt}"
+        attempt += 1
+        worker_args = [
+            "--system", system,
+            "--chunks", ",".join(map(str, remaining)),
+            "--f-ms", str(args.f_ms),
+            "--micro-batch", str(args.micro_batch),
+            "--shape", args.shape,
+            "--balance", args.balance,
+            "--warmup", str(args.warmup),
+            "--steps", str(args.steps),
+            "--pg-timeout", str(max(30.0, timeout_s / 2)),
+            "--out", str(out),
+        ]  # fmt: skip
+        result: LaunchResult = launch("benchmarks.worker", worker_args, world, timeout_s, out)
+        print(
+            f"  {system} chunks {remaining}: {result.seconds:.1f} s wall, "
+            f"{result.cpu_seconds:.1f} s CPU (all ranks, start-up included)",
+            file=sys.stderr,
+        )
+        records = _read_records(out, world)
+        done = []
+        if all(r is not None for r in records):
+            for chunks in remaining:
+                row = _aggregate(system, chunks, [r for r in records if r is not None],
+                                 *ideals[chunks])  # fmt: skip
+                if row.step_s is not None:
+                    rows[chunks] = row
+                    done.append(chunks)
+        remaining = [c for c in remaining if c not in done]
+        if result.ok or not remaining:
+            break
+        errors = [r["error"] for r in records if r is not None and r.get("error")]
+        failure = errors[0] if errors and not result.timed_out else result.failure()
+        failed = remaining[0]
+        rows[failed].error = failure
+        print(f"  {system} chunks {failed} FAILED: {failure}", file=sys.stderr)
+        for rank in range(world):
+            tail = result.log_tail(rank, 1500).strip()
+            if result.returncodes[rank] != 0 and tail:
+                print(f"  --- rank {rank} log tail ---\n{tail}", file=sys.stderr)
+        remaining = remaining[1:]
+        if result.timed_out:
+            for chunks in remaining:
+                rows[chunks].error = f"not run (chunks {failed} timed out)"
+            break
+    for row in rows.values():
+        if row.step_s is None and row.error is None:
+            row.error = "no result"
+    return list(rows.values())
+
+
+def _fmt_ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.1f}"
+
+
+def _fmt_ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _fmt_fracs(values: list[float]) -> str:
+    return "-" if not values else " / ".join(f"{v:.2f}" for v in values)
+
+
+HEADER = [
+    "chunks",
+    "system",
+    "step ms",
+    "nominal ms",
+    "calibrated ms",
+    "/nominal",
+    "/calibrated",
+    "asyncpipe / this",
+    "idle per stage (layer clock)",
+    "idle per stage (asyncpipe)",
+]
+
+
+def table_cells(rows: list[Row]) -> list[list[str]]:
+    """The result table as strings, one list per row, in :data:`HEADER` order."""
+    ours = {r.chunks: r.step_s for r in rows if r.system == "asyncpipe"}
+    cells = []
+    for row in rows:
+        mine = ours.get(row.chunks)
+        versus = (
+            None
+            if row.system == "asyncpipe" or mine is None or row.step_s is None
+            else mine / row.step_s
+        )
+        step = _fmt_ms(row.step_s) if row.error is None else f"FAILED: {row.error}"
+        cells.append(
+            [
+                str(row.chunks),
+                row.system,
+                step,
+                _fmt_ms(row.nominal_s),
+                _fmt_ms(row.calibrated_s),
+                _fmt_ratio(row.vs_nominal),
+                _fmt_ratio(row.vs_calibrated),
+                _fmt_ratio(versus),
+                _fmt_fracs(row.idle),
+                _fmt_fracs(row.lib_idle),
+            ]
+        )
+    return cells
+
+
+def format_text(rows: list[Row]) -> str:
+    """A fixed-width table for the terminal (long error texts are wrapped after the table)."""
+    cells = table_cells(rows)
+    notes: list[str] = []
+    for line in cells:
+        if line[2].startswith("FAILED") and len(line[2]) > 30:
+            notes.append(f"[{len(notes) + 1}] {line[1]} chunks {line[0]}: {line[2]}")
+            line[2] = f"FAILED [{len(notes)}]"
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(HEADER)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(HEADER, widths, strict=True))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)) for line in cells]
+    return "\n".join(lines + notes)
+
+
+def format_markdown_table(rows: list[Row]) -> str:
+    def esc(text: str) -> str:
+        return text.replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    lines += ["| " + " | ".join(esc(c) for c in line) + " |" for line in table_cells(rows)]
+    return "\n".join(lines)
+
+
+def _target_line(rows: list[Row], args: argparse.Namespace) -> str | None:
+    if args.shape != "small" or args.f_ms != 5.0:
+        return None
+    for row in rows:
+        if row.system == "asyncpipe" and row.chunks == 8:
+            if row.vs_nominal is None:
+                return f"Target (asyncpipe <= {TARGET_RATIO:.2f}x nominal, chunks 8): no result"
+            verdict = "met" if row.vs_nominal <= TARGET_RATIO else "NOT met"
+            return (
+                f"Target (asyncpipe <= {TARGET_RATIO:.2f}x nominal at F = 5 ms, chunks 8, "
+                f"small shape): {verdict} ({row.vs_nominal:.2f}x)"
+            )
+    return None
+
+
+def markdown_section(
+    rows: list[Row],
+    args: argparse.Namespace,
+    costs: StageCosts,
+    layers_per_stage: int,
+    extra_lines: list[str],
+    argv: list[str],
+) -> str:
+    begin, end = _markers(args.shape)
+    f = args.f_ms
+    nominal_f, nominal_b = layers_per_stage * f, 2 * layers_per_stage * f
+    command = shlex.join(["python", "-m", "benchmarks.gpipe", *argv])
+    body = [
+        begin,
+        f"### Shape {args.shape}, F = {f:g} ms, micro-batch {args.micro_batch}",
+        "",
+        f"- Date: {datetime.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')}",
+        f"- Machine: {_machine()}",
+        f"- asyncpipe: commit {_revision()}",
+        f"- Command: `{command}`",
+        f"- {len(args.balance.split(','))} processes, gloo on loopback, balance "
+        f'[{args.balance.replace(",", ", ")}], checkpoint="never", '
+        f"{args.warmup} warm-up + {args.steps} timed steps per row"
+        + (
+            f"; {args.rounds} interleaved rounds, each row from its median round"
+            if args.rounds > 1
+            else ""
+        ),
+        f"- Calibrated stage costs per micro-batch: forward {costs.forward_s * 1000:.2f} ms, "
+        f"backward {costs.backward_s * 1000:.2f} ms (nominal {nominal_f:g} / {nominal_b:g} ms; "
+        f"median of {costs.repeats})",
+        "",
+        format_markdown_table(rows),
+        "",
+        *(f"- {line}" for line in extra_lines),
+    ]
+    breakdown = format_breakdown(rows, markdown=True)
+    if breakdown:
+        body += ["", "asyncpipe's time per stage, mean ms per timed step:", "", breakdown]
+    body.append(end)
+    return "\n".join(body)
+
+
+def _markers(shape: str) -> tuple[str, str]:
+    return (
+        f"<!-- begin: benchmarks.gpipe shape={shape} (generated; rerun to update) -->",
+        f"<!-- end: benchmarks.gpipe shape={shape} -->",
+    )
+
+
+def write_markdown(path: Path, section: str, shape: str) -> None:
+    """Replace this shape's generated section of ``path``, or append it (creating the file)."""
+    begin, end = _markers(shape)
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.DOTALL)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: section, text, count=1)
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text if text.endswith("\n") else text + "\n")
+
+
+def _parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.gpipe",
+        description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--f-ms", type=float, default=5.0, help="forward sleep per layer (ms)")
+    parser.add_argument("--micro-batch", type=int, default=4, help="samples per micro-batch")
+    parser.add_argument(
+        "--shape",
+        choices=("small", "large"),
+        default="small",
+        help="activations (mb, 1024) or the transfer-heavy (mb, 256, 1024)",
+    )
+    parser.add_argument("--chunks", default="4,8,16", help="micro-batch counts to run")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per row")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per row")
+    parser.add_argument("--balance", default="2,2,2,2", help="layers per stage (one rank each)")
+    parser.add_argument(
+        "--systems", default=",".join(SYSTEMS), help=f"subset of {','.join(SYSTEMS)}"
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds before one system's workers are killed "
+        "(default: 90 + 3x the ideal time of all its steps)",
+    )
+    parser.add_argument("--json", type=Path, default=None, help="write all numbers here")
+    parser.add_argument(
+        "--markdown",
+        type=Path,
+        default=None,
+        help="write/replace this shape's section of a markdown file",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every system this many times, interleaved; report each row's median round",
+    )
+    parser.add_argument(
+        "--keep-logs",
+        type=Path,
+        default=None,
+        help="keep worker logs and per-rank records (with asyncpipe's events of each "
+        "configuration's last step) in this directory",
+    )
+    args = parser.parse_args(argv)
+    systems = [s for s in args.systems.split(",") if s]
+    unknown = sorted(set(systems) - set(SYSTEMS))
+    if unknown:
+        parser.error(f"unknown systems {unknown}; choose from {list(SYSTEMS)}")
+    args.system_list = systems
+    if args.rounds < 1 or args.steps < 1 or args.warmup < 0:
+        parser.error("--rounds and --steps must be >= 1, --warmup >= 0")
+    try:
+        args.chunk_list = [int(c) for c in args.chunks.split(",") if c]
+        balance = [int(b) for b in args.balance.split(",")]
+    except ValueError as exc:
+        parser.error(str(exc))
+    if len(set(balance)) != 1:
+        parser.error("the ideal-time formulas assume equal stages: use a uniform --balance")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parse_args(argv)
+    balance = [int(b) for b in args.balance.split(",")]
+    stages, layers_per_stage = len(balance), balance[0]
+    started = time.monotonic()
+
+    print(
+        f"calibrating one stage ({layers_per_stage} layers, F = {args.f_ms:g} ms, "
+        f"shape {args.shape}) ...",
+        file=sys.stderr,
+    )
+    costs = calibrate(args.f_ms, args.micro_batch, args.shape, layers_per_stage)
+    ideals = {
+        c: (
+            nominal_ideal_s(stages, c, layers_per_stage, args.f_ms),
+            calibrated_ideal_s(stages, c, costs),
+        )
+        for c in args.chunk_list
+    }
+    timeout_s = args.timeout or 90.0 + 3.0 * (args.warmup + args.steps) * sum(
+        cal for _, cal in ideals.values()
+    )
+
+    load_before = _load()
+    rounds: list[list[Row]] = []
+    with tempfile.TemporaryDirectory(prefix="asyncpipe-bench-") as tmp:
+        for round_index in range(args.rounds):
+            work = (args.keep_logs or Path(tmp)) / f"round{round_index}"
+            rows: list[Row] = []
+            for system in args.system_list:
+                print(
+                    f"round {round_index + 1}/{args.rounds}: running {system} (chunks "
+                    f"{args.chunks}, timeout {timeout_s:.0f} s) ...",
+                    file=sys.stderr,
+                )
+                rows += _run_system(system, args, args.chunk_list, ideals, work, timeout_s)
+            rounds.append(rows)
+    rows = merge_rounds(rounds)
+    rows.sort(key=lambda r: (r.chunks, args.system_list.index(r.system)))
+
+    fairscale = _fairscale_status()
+    extra = [fairscale]
+    if (target := _target_line(rows, args)) is not None:
+        extra.append(target)
+    extra.append(
+        f"Load average before the runs: {load_before}; after: {_load()} "
+        f"(anything else running on the machine inflates the step times)"
+    )
+    print()
+    print(f"{_machine()}; asyncpipe at commit {_revision()}")
+    print(
+        f"shape {args.shape}, F = {args.f_ms:g} ms, micro-batch {args.micro_batch}, "
+        f"balance [{args.balance}], {args.warmup} warm-up + {args.steps} timed steps, "
+        f"{args.rounds} round(s); "
+        f"calibrated stage forward {costs.forward_s * 1000:.2f} ms, "
+        f"backward {costs.backward_s * 1000:.2f} ms"
+    )
+    print(format_text(rows))
+    for line in extra:
+        print(line)
+    breakdown = format_breakdown(rows)
+    if breakdown:
+        print("\nasyncpipe time per stage (mean ms per timed step):")
+        print(breakdown)
+    print(f"(total {time.monotonic() - started:.0f} s)")
+
+    if args.json is not None:
+        payload = {
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "machine": _machine(),
+            "revision": _revision(),
+            "config": {
+                "f_ms": args.f_ms,
+                "micro_batch": args.micro_batch,
+                "shape": args.shape,
+                "balance": balance,
+                "chunks": args.chunk_list,
+                "warmup": args.warmup,
+                "steps": args.steps,
+            },
+            "calibration": asdict(costs),
+            "fairscale": fairscale,
+            "rows": [
+                dict(asdict(r), vs_nominal=r.vs_nominal, vs_calibrated=r.vs_calibrated)
+                for r in rows
+            ],
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+    if args.markdown is not None:
+        section = markdown_section(rows, args, costs, layers_per_stage, extra, argv)
+        write_markdown(args.markdown, section, args.shape)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
