@@ -73,6 +73,7 @@ class Work:
     grads: dict[tuple[int, int], Grads] = field(default_factory=dict)
     losses: dict[int, Tensor] = field(default_factory=dict)
     pending: dict[Action, PendingRecv] = field(default_factory=dict)
+    unposted: list[Action] = field(default_factory=list)
     loss_sum: float = 0.0
 
 
@@ -136,6 +137,7 @@ class Runtime:
         self.device = device
         self.last = len(owners) - 1
         self._plans: dict[tuple[int, bool], list[Action]] = {}
+        self._statuses: dict[int, PendingRecv] = {}
         self.handlers: dict[Kind, Callable[[Work, Action], None]] = {
             Kind.FORWARD: self.forward,
             Kind.BACKWARD: self.backward,
@@ -198,8 +200,7 @@ class Runtime:
         current = ""
         failure: Failed | None = None
         original: BaseException | None = None
-        peers = [r for r in range(self.transport.world_size) if r != self.rank]
-        statuses = {peer: self.transport.recv(peer, STATUS_CHANNEL) for peer in peers}
+        self._statuses = {}
         try:
             first: PendingRecv | None = None
             first_action: Action | None = None
@@ -208,6 +209,7 @@ class Runtime:
                 seg = min(self.segments)
                 first_action = Action(seg, Kind.RECV_F, 0, seg - 1)
                 first = self.transport.recv(*self.channel(first_action), 0)
+                self._post_statuses()
                 current = str(first_action)
                 message = first.wait(self.timeout)
                 self._check_error(message, first_action)
@@ -216,14 +218,9 @@ class Runtime:
             current = "prepare"
             work = resume if resume is not None else prepare(microbatches)
             row = [a for a in self.plan(work.microbatches, work.train) if phase(a)]
-            for action in row:
-                if action.kind.is_recv:
-                    if action == first_action and first is not None:
-                        work.pending[action] = first
-                    elif self.transport.early_receives:
-                        work.pending[action] = self.transport.recv(
-                            *self.channel(action), action.microbatch
-                        )
+            if first is not None and first_action is not None:
+                work.pending[first_action] = first
+            work.unposted = [a for a in row if a.kind.is_recv and a not in work.pending]
             for action in row:
                 current = str(action)
                 began = time.perf_counter()
@@ -251,7 +248,7 @@ class Runtime:
             failure, original = Failed(text, stage, mb, current, self.rank), e
         if failure is not None:
             self._notify(failure)
-        self._finish(work, failure, original, statuses)
+        self._finish(work, failure, original)
         seconds = time.perf_counter() - start
         assert work is not None
         return work, StepReport(seconds, busy, events, start)
@@ -272,7 +269,6 @@ class Runtime:
         work: Work | None,
         failure: Failed | None,
         original: BaseException | None,
-        statuses: dict[int, PendingRecv],
     ) -> None:
         """Tell every rank how this step ended and learn how theirs did: raise if any failed,
         else settle the sends. A failed rank does not wait for the others' news."""
@@ -281,6 +277,7 @@ class Runtime:
             status[1] = _RELAYED if failure.relayed else _FAILED
             status[2:] = [float(failure.stage), float(failure.microbatch), float(failure.rank)]
         news = Message(0, 0, (torch.tensor(status, dtype=torch.float64, device=self.device),))
+        statuses = self._post_statuses()
         for peer in statuses:
             try:
                 self.transport.send(peer, STATUS_CHANNEL, news)
@@ -346,7 +343,26 @@ class Runtime:
 
     # ----- handlers ----------------------------------------------------------------------
 
+    def _post_statuses(self) -> dict[int, PendingRecv]:
+        """Post the receives of the other ranks' end-of-step news (once per call of run)."""
+        if not self._statuses:
+            peers = [r for r in range(self.transport.world_size) if r != self.rank]
+            self._statuses = {peer: self.transport.recv(peer, STATUS_CHANNEL) for peer in peers}
+        return self._statuses
+
+    def _post_receives(self, work: Work) -> None:
+        """Post every receive of the step not posted yet. Called just before this rank would
+        block, so posting costs nothing on the critical path and each message finds its
+        receive waiting (senders never block, but a message moves only once it is posted)."""
+        self._post_statuses()
+        if self.transport.early_receives:
+            for action in work.unposted:
+                work.pending[action] = self.transport.recv(*self.channel(action), action.microbatch)
+        work.unposted = []
+
     def recv(self, work: Work, action: Action) -> None:
+        if work.unposted:
+            self._post_receives(work)
         pending = work.pending.pop(action, None)
         if pending is None:  # this transport takes receives only when they are due
             pending = self.transport.recv(*self.channel(action), action.microbatch)
