@@ -4,7 +4,7 @@ Nothing here imports torch.distributed: a plan can be built, checked and timed i
 """
 
 from .action import Action, Kind, Plan, format_plan
-from .generate import forward_only, gpipe
+from .generate import forward_only, gpipe, one_f_one_b
 from .lower import lower, stage_owners
 from .replay import PlanError
 from .simulate import Costs, Simulation, simulate
@@ -21,6 +21,7 @@ __all__ = [
     "format_plan",
     "gpipe",
     "lower",
+    "one_f_one_b",
     "simulate",
     "stage_owners",
     "validate",

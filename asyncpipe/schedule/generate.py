@@ -58,6 +58,33 @@ def gpipe(stages: int, microbatches: int, *, ranks: Sequence[int] | None = None)
     return plan
 
 
+def one_f_one_b(stages: int, microbatches: int) -> Plan:
+    """PipeDream-Flush (1F1B): warm-up forwards, then one forward and one backward in turn, then
+    the remaining backwards. Stage ``s`` runs ``min(stages - s - 1, microbatches)`` warm-up
+    forwards, so at most ``stages - s`` micro-batches are in flight on it at any time: activation
+    memory is bounded by the number of stages, not of micro-batches.
+
+    Example:
+        >>> from asyncpipe.schedule import one_f_one_b, format_plan
+        >>> print(format_plan(one_f_one_b(2, 3)))
+        rank 0: 0F0 0F1 0B0 0F2 0B1 0B2
+        rank 1: 1F0 1B0 1F1 1B1 1F2 1B2
+    """
+    _check_counts(stages, microbatches)
+    plan: Plan = {}
+    for s in range(stages):
+        warmup = min(stages - s - 1, microbatches)
+        row: list[Action | None] = [Action(s, Kind.FORWARD, i) for i in range(warmup)]
+        backward = 0
+        for i in range(warmup, microbatches):
+            row.append(Action(s, Kind.FORWARD, i))
+            row.append(Action(s, Kind.BACKWARD, backward))
+            backward += 1
+        row += [Action(s, Kind.BACKWARD, i) for i in range(backward, microbatches)]
+        plan[s] = row
+    return plan
+
+
 def forward_only(plan: Plan) -> Plan:
     """The same plan with every backward, weight-gradient and gradient message removed."""
     keep = (Kind.FORWARD, Kind.SEND_F, Kind.RECV_F)

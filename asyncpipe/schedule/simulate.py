@@ -37,6 +37,9 @@ class Simulation:
     makespan: float
     busy: dict[int, float]
     timeline: dict[int, list[tuple[str, float, float]]] = field(repr=False)
+    peak_activations: dict[int, int] = field(default_factory=dict)
+    """Most micro-batches whose activations a rank holds at once (forward run, backward, or
+    weight-gradient where the plan has one, not yet)."""
 
     @property
     def bubble(self) -> dict[int, float]:
@@ -44,6 +47,13 @@ class Simulation:
         if self.makespan <= 0:
             return {rank: 0.0 for rank in self.busy}
         return {rank: 1.0 - busy / self.makespan for rank, busy in self.busy.items()}
+
+    @property
+    def total_bubble(self) -> float:
+        """Fraction of all ranks' time spent without compute."""
+        if self.makespan <= 0 or not self.busy:
+            return 0.0
+        return 1.0 - sum(self.busy.values()) / (self.makespan * len(self.busy))
 
 
 def simulate(plan: Plan, costs: Costs) -> Simulation:
@@ -58,6 +68,14 @@ def simulate(plan: Plan, costs: Costs) -> Simulation:
     clock = {rank: 0.0 for rank in plan}
     busy = {rank: 0.0 for rank in plan}
     timeline: dict[int, list[tuple[str, float, float]]] = {rank: [] for rank in plan}
+    live = {rank: 0 for rank in plan}
+    peak = {rank: 0 for rank in plan}
+    with_weight = {
+        (a.stage, a.microbatch)
+        for row in plan.values()
+        for a in row
+        if a is not None and a.kind is Kind.WEIGHT
+    }
 
     def visit(event: Event, deps: list[tuple[Event, bool]]) -> None:
         action = event.action
@@ -74,9 +92,15 @@ def simulate(plan: Plan, costs: Costs) -> Simulation:
             cost = costs.post
         if action.kind.is_compute:
             busy[event.rank] += cost
+        key = (action.stage, action.microbatch)
+        if action.kind is Kind.FORWARD:
+            live[event.rank] += 1
+            peak[event.rank] = max(peak[event.rank], live[event.rank])
+        elif action.kind is (Kind.WEIGHT if key in with_weight else Kind.BACKWARD):
+            live[event.rank] -= 1
         end[event] = ready + cost
         clock[event.rank] = ready + cost
         timeline[event.rank].append((str(action), ready, ready + cost))
 
     replay(plan, visit)
-    return Simulation(max(clock.values(), default=0.0), busy, timeline)
+    return Simulation(max(clock.values(), default=0.0), busy, timeline, peak)
