@@ -37,6 +37,9 @@ class StepReport:
     events: list[tuple[str, float, float]] = field(default_factory=list, repr=False)
     start: float = 0.0
     """``time.perf_counter()`` when the step began (the system-wide monotonic clock on Linux)."""
+    peak_activations: int = 0
+    """Most micro-batches whose activations this rank held at once (forward run, backward or
+    weight gradient not yet)."""
 
     @property
     def idle_fraction(self) -> float:

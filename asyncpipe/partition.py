@@ -63,18 +63,17 @@ class Segment:
     invocations: tuple[Invocation, ...]
 
 
-def stage_of_positions(balance: Sequence[int]) -> list[int]:
-    """The stage of every layer position under ``balance``."""
-    return [stage for stage, count in enumerate(balance) for _ in range(count)]
-
-
 def partition(
-    layers: Sequence[Layer], balance: Sequence[int]
+    layers: Sequence[Layer], balance: Sequence[int], ranks: int | None = None
 ) -> tuple[list[Partition], list[Segment]]:
-    """Split ``layers`` by ``balance`` into per-stage partitions and the segments to schedule.
+    """Split ``layers`` by ``balance`` into per-rank partitions and the segments to schedule.
 
-    ``balance`` counts positions in ``layers``, so a layer reused at two positions counts twice;
-    each stage must own at least one layer. Inputs are assumed checked (see ``AsyncPipe``).
+    ``balance`` counts positions in ``layers``, so a layer reused at two positions counts twice.
+    Entry ``k`` of ``balance`` (a model stage) runs on rank ``k % ranks``; with ``ranks`` equal to
+    ``len(balance)`` (the default) every rank has one entry, and with ``len(balance) = V * ranks``
+    every rank holds V non-adjacent model chunks (interleaved schedules). A segment is a run of
+    consecutive positions in one entry on one rank. Each rank must own at least one layer.
+    Inputs are assumed checked (see ``AsyncPipe``).
 
     Example:
         >>> from torch import nn
@@ -83,14 +82,15 @@ def partition(
         >>> [len(p.layers) for p in parts], [s.stage for s in segments]
         ([2, 1], [0, 1, 0])
     """
-    position_stage = stage_of_positions(balance)
+    ranks = len(balance) if ranks is None else ranks
+    entry_of = [entry for entry, count in enumerate(balance) for _ in range(count)]
     owned: dict[int, Location] = {}
-    owned_layers: list[list[Layer]] = [[] for _ in balance]
+    owned_layers: list[list[Layer]] = [[] for _ in range(ranks)]
     where: list[Location] = []
     for position, layer in enumerate(layers):
         location = owned.get(id(layer))
         if location is None:
-            stage = position_stage[position]
+            stage = entry_of[position] % ranks
             location = Location(stage, len(owned_layers[stage]))
             owned[id(layer)] = location
             owned_layers[stage].append(layer)
@@ -117,12 +117,14 @@ def partition(
             tuple(owned_layers[stage]),
             tuple(inv for inv in invocations if inv.this.stage == stage),
         )
-        for stage in range(len(balance))
+        for stage in range(ranks)
     ]
     segments: list[Segment] = []
     run: list[Invocation] = []
     for inv in invocations:
-        if run and run[-1].this.stage != inv.this.stage:
+        if run and (
+            run[-1].this.stage != inv.this.stage or entry_of[run[-1].order] != entry_of[inv.order]
+        ):
             segments.append(Segment(len(segments), run[0].this.stage, tuple(run)))
             run = []
         run.append(inv)

@@ -9,18 +9,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from .arguments import check_arguments, plan_factory
 from .failure import StageFailure, StepReport
 from .lazy import LazyModule
 from .microbatch import Tensors, as_tensors, gather, scatter
-from .partition import Layer, Partition, Segment, partition
-from .recompute import POLICIES
+from .partition import Partition, Segment, partition
 from .runtime import LossFn, Runtime, Work, unwrap
-from .schedule import Action, Kind
+from .schedule import Action, Kind, Plan
 from .transport import P2PTransport, Transport
 
 __all__: list[str] = []
 
-SCHEDULES = ("gpipe",)
 _FORWARD_KINDS = (Kind.FORWARD, Kind.SEND_F, Kind.RECV_F)
 
 
@@ -30,89 +29,6 @@ def _is_forward(action: Action) -> bool:
 
 def _is_backward(action: Action) -> bool:
     return action.kind not in _FORWARD_KINDS
-
-
-def _positive_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
-def _suggest(layers: int, stages: int) -> list[int]:
-    base, extra = divmod(layers, max(stages, 1))
-    return [base + (1 if s < extra else 0) for s in range(stages)]
-
-
-def check_arguments(
-    module: object, balance: object, chunks: object, checkpoint: object, schedule: object
-) -> list[Layer]:
-    """Every problem with the constructor's arguments at once, as one ValueError/TypeError."""
-    problems: list[str] = []
-    kinds: list[type[Exception]] = []
-    layers: list[Layer] = []
-    if isinstance(module, nn.Sequential):
-        layers = list(iter(module))
-    elif isinstance(module, (list, tuple)):
-        bad = [
-            f"{n}: {type(m).__name__}"
-            for n, m in enumerate(module)
-            if not isinstance(m, (nn.Module, LazyModule))
-        ]
-        if bad:
-            problems.append(
-                "every item of a layer list must be an nn.Module or a LazyModule ("
-                + ", ".join(bad)
-                + "); wrap builders as LazyModule(lambda: layer)"
-            )
-            kinds.append(TypeError)
-        layers = list(module)
-    else:
-        problems.append(
-            f"module must be an nn.Sequential or a list of nn.Module/LazyModule (got "
-            f"{type(module).__name__}); wrap your layers with nn.Sequential(...)"
-        )
-        kinds.append(TypeError)
-    if module is not None and not layers and not problems:
-        problems.append("module has no layers; a pipeline needs at least one layer per stage")
-        kinds.append(ValueError)
-
-    if not isinstance(balance, (list, tuple)) or not balance:
-        problems.append(
-            f"balance must be a non-empty list of positive ints, one per stage (got {balance!r}); "
-            f"e.g. balance={_suggest(len(layers), 2)}"
-        )
-        kinds.append(TypeError)
-    else:
-        bad = [f"{n}: {b!r}" for n, b in enumerate(balance) if not _positive_int(b)]
-        if bad:
-            problems.append(
-                f"every entry of balance must be a positive int, the number of layers of a stage "
-                f"(bad entries: {', '.join(bad)})"
-            )
-            kinds.append(ValueError)
-        elif layers and sum(balance) != len(layers):
-            problems.append(
-                f"sum of balance must equal the number of layers (layers: {len(layers)}, sum of "
-                f"balance: {sum(balance)}); pass balance={_suggest(len(layers), len(balance))}"
-            )
-            kinds.append(ValueError)
-    if not _positive_int(chunks):
-        problems.append(
-            f"chunks must be a positive int, the number of micro-batches (got {chunks!r})"
-        )
-        kinds.append(ValueError)
-    if checkpoint not in POLICIES:
-        problems.append(f"checkpoint must be one of {', '.join(POLICIES)} (got {checkpoint!r})")
-        kinds.append(ValueError)
-    if schedule not in SCHEDULES:
-        problems.append(f"schedule must be one of {', '.join(SCHEDULES)} (got {schedule!r})")
-        kinds.append(ValueError)
-    if problems:
-        text = (
-            "; ".join(problems)
-            if len(problems) == 1
-            else "\n  - ".join(["invalid AsyncPipe arguments:", *problems])
-        )
-        raise (TypeError if TypeError in kinds and ValueError not in kinds else ValueError)(text)
-    return layers
 
 
 class _GatherOutputs(torch.autograd.Function):
@@ -159,7 +75,11 @@ class AsyncPipe(nn.Module):
         chunks: micro-batches per mini-batch (fewer if the batch has fewer rows).
         checkpoint: ``"always"``, ``"except_last"`` (default) or ``"never"``: which
             micro-batches recompute their activations in backward instead of keeping them.
-        schedule: ``"gpipe"`` (fill-drain).
+        schedule: ``"gpipe"`` (fill-drain, the default), ``"1f1b"``, ``"interleaved"`` (with
+            ``virtual_stages`` > 1), ``"zero_bubble"``, or a plan ``{rank: [Action, ...]}``
+            built by hand (validated here; its micro-batch count must match each batch's).
+        virtual_stages: model chunks per rank for ``schedule="interleaved"``; ``balance`` then
+            has ``ranks * virtual_stages`` entries and entry ``k`` runs on rank ``k % ranks``.
         transport: ``"p2p"`` (torch.distributed send/recv) or a ``Transport`` object.
         timeout: seconds any wait for another rank may take before it fails naming that rank.
         device: device of received tensors (default: CPU, or the current CUDA device with
@@ -180,13 +100,14 @@ class AsyncPipe(nn.Module):
         chunks: int = 1,
         checkpoint: str = "except_last",
         *,
-        schedule: str = "gpipe",
+        schedule: str | Plan = "gpipe",
+        virtual_stages: int = 1,
         transport: str | Transport = "p2p",
         timeout: float = 300.0,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        layers = check_arguments(module, balance, chunks, checkpoint, schedule)
+        layers = check_arguments(module, balance, chunks, checkpoint, schedule, virtual_stages)
         problems = []
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             problems.append(f"timeout must be a positive number of seconds (got {timeout!r})")
@@ -213,16 +134,18 @@ class AsyncPipe(nn.Module):
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         if isinstance(transport, str):
             transport = P2PTransport(device=self.device)
-        if transport.world_size != len(balance):
+        ranks = len(balance) // virtual_stages
+        if transport.world_size * virtual_stages != len(balance):
+            per = "" if virtual_stages == 1 else f" times virtual_stages ({virtual_stages})"
             fix = (
-                f"launch {len(balance)} processes (torchrun --nproc-per-node={len(balance)})"
-                if transport.world_size > len(balance)
-                else f"give balance {transport.world_size} entries"
+                f"launch {ranks} processes (torchrun --nproc-per-node={ranks})"
+                if transport.world_size > ranks and len(balance) % virtual_stages == 0
+                else f"give balance {transport.world_size * virtual_stages} entries"
             )
             raise ValueError(
-                f"balance must have one entry per pipeline rank (ranks: {transport.world_size}, "
-                f"entries in balance: {len(balance)}); {fix}. Extra ranks for data parallelism "
-                f"are not supported yet"
+                f"balance must have one entry per pipeline rank{per} (ranks: "
+                f"{transport.world_size}, entries in balance: {len(balance)}); {fix}. Extra ranks "
+                f"for data parallelism are not supported yet"
             )
         self.transport = transport
         self.balance = list(balance)
@@ -231,8 +154,9 @@ class AsyncPipe(nn.Module):
         self.schedule = schedule
         self.timeout = float(timeout)
         self.stage = transport.rank
-        self.num_stages = len(balance)
-        partitions, segments = partition(layers, balance)
+        self.num_stages = transport.world_size
+        self.virtual_stages = virtual_stages
+        partitions, segments = partition(layers, balance, transport.world_size)
         self.partitions: list[Partition] = partitions
         self.segments: list[Segment] = segments
         mine = partitions[self.stage]
@@ -243,10 +167,12 @@ class AsyncPipe(nn.Module):
             for seg in segments
             if seg.stage == self.stage
         }
+        owners = [seg.stage for seg in segments]
         self._runtime = Runtime(
             self.stage,
             local,
-            [seg.stage for seg in segments],
+            owners,
+            plan_factory(schedule, owners, transport.world_size, virtual_stages),
             transport,
             self.timeout,
             self.device,

@@ -25,7 +25,8 @@ from torch.autograd.profiler import record_function
 from .failure import StageFailure, StepReport
 from .microbatch import Tensors, as_tensors
 from .recompute import RNGState, checkpointed
-from .schedule import Action, Kind, forward_only, gpipe, lower, validate
+from .schedule import Action, Kind, Plan, forward_only, lower, validate
+from .split import LayerRun, input_backward, run_cut, weight_backward
 from .transport import Message, PendingRecv, Transport
 
 __all__: list[str] = []
@@ -74,7 +75,14 @@ class Work:
     losses: dict[int, Tensor] = field(default_factory=dict)
     pending: dict[Action, PendingRecv] = field(default_factory=dict)
     unposted: list[Action] = field(default_factory=list)
+    split: frozenset[tuple[int, int]] = frozenset()
+    runs: dict[tuple[int, int], list[LayerRun]] = field(default_factory=dict)
+    weights: dict[tuple[int, int], list[tuple[LayerRun, list[Tensor | None]]]] = field(
+        default_factory=dict
+    )
     loss_sum: float = 0.0
+    live: int = 0
+    peak: int = 0
 
 
 class Failed(Exception):
@@ -118,6 +126,7 @@ class Runtime:
         rank: this rank in the pipeline.
         segments: for each local segment index, the callables it applies in order.
         owners: the rank of every segment (index = segment).
+        plan_for: the (unlowered) plan of a step with a given number of micro-batches.
         transport: how messages travel.
         timeout: seconds any wait may take before it fails naming the peer.
         device: where this rank computes (for RNG state).
@@ -128,19 +137,22 @@ class Runtime:
         rank: int,
         segments: dict[int, list[torch.nn.Module]],
         owners: list[int],
+        plan_for: Callable[[int], Plan],
         transport: Transport,
         timeout: float,
         device: torch.device,
     ) -> None:
         self.rank, self.segments, self.owners = rank, segments, owners
+        self.plan_for = plan_for
         self.transport, self.timeout = transport, timeout
         self.device = device
         self.last = len(owners) - 1
-        self._plans: dict[tuple[int, bool], list[Action]] = {}
+        self._plans: dict[tuple[int, bool], tuple[list[Action], frozenset[tuple[int, int]]]] = {}
         self._statuses: dict[int, PendingRecv] = {}
         self.handlers: dict[Kind, Callable[[Work, Action], None]] = {
             Kind.FORWARD: self.forward,
             Kind.BACKWARD: self.backward,
+            Kind.WEIGHT: self.weight,
             Kind.SEND_F: self.send_forward,
             Kind.SEND_B: self.send_backward,
             Kind.RECV_F: self.recv,
@@ -149,15 +161,20 @@ class Runtime:
 
     # ----- plans -------------------------------------------------------------------------
 
-    def plan(self, microbatches: int, train: bool) -> list[Action]:
-        """This rank's row of the lowered plan (validated once per configuration)."""
+    def plan(
+        self, microbatches: int, train: bool
+    ) -> tuple[list[Action], frozenset[tuple[int, int]]]:
+        """This rank's row of the lowered plan (validated once per configuration), and the
+        (segment, micro-batch) pairs whose backward the plan splits into B and W."""
         key = (microbatches, train)
         if key not in self._plans:
-            plan = lower(gpipe(len(self.owners), microbatches, ranks=self.owners))
+            plan = lower(self.plan_for(microbatches))
             if not train:
                 plan = forward_only(plan)
             validate(plan)
-            self._plans[key] = [a for a in plan[self.rank] if a is not None]
+            row = [a for a in plan[self.rank] if a is not None]
+            split = frozenset((a.stage, a.microbatch) for a in row if a.kind is Kind.WEIGHT)
+            self._plans[key] = (row, split)
         return self._plans[key]
 
     def channel(self, action: Action) -> tuple[int, int]:
@@ -217,7 +234,8 @@ class Runtime:
                 first = _Ready(message)
             current = "prepare"
             work = resume if resume is not None else prepare(microbatches)
-            row = [a for a in self.plan(work.microbatches, work.train) if phase(a)]
+            full, work.split = self.plan(work.microbatches, work.train)
+            row = [a for a in full if phase(a)]
             if first is not None and first_action is not None:
                 work.pending[first_action] = first
             work.unposted = [a for a in row if a.kind.is_recv and a not in work.pending]
@@ -251,7 +269,7 @@ class Runtime:
         self._finish(work, failure, original)
         seconds = time.perf_counter() - start
         assert work is not None
-        return work, StepReport(seconds, busy, events, start)
+        return work, StepReport(seconds, busy, events, start, work.peak)
 
     def _notify(self, failure: Failed) -> None:
         """Tell every peer that reads from this rank, so nobody waits for us in vain."""
@@ -390,8 +408,11 @@ class Runtime:
 
     def _compute(self, work: Work, seg: int, i: int, x: Tensors) -> Tensors:
         value: object = unwrap(x)
-        for layer in self.segments[seg]:
-            value = layer(value)
+        if (seg, i) in work.split and torch.is_grad_enabled():
+            value, work.runs[(seg, i)] = run_cut(self.segments[seg], value)
+        else:
+            for layer in self.segments[seg]:
+                value = layer(value)
         out = as_tensors(value, f"the output of stage {seg}")
         if seg == self.last and work.train and work.loss_fn is not None:
             target = None if work.targets is None else unwrap(work.targets[i])
@@ -410,6 +431,8 @@ class Runtime:
         x = self._input(work, seg, i)
         if work.train:
             work.saved[(seg, i)] = x
+            work.live += 1
+            work.peak = max(work.peak, work.live)
             if checkpointed(work.policy, i, work.microbatches):
                 work.rng[(seg, i)] = RNGState.save(self.device)
                 with torch.no_grad():
@@ -452,10 +475,19 @@ class Runtime:
         if rng is not None:  # recompute; autograd may be running us with gradients off
             with rng.restored(), torch.enable_grad():
                 out = self._compute(work, seg, i, x)
+        split = (seg, i) in work.split
+        # The gradients of the outputs, and what to back-propagate from in a plain backward.
         roots: list[Tensor] = []
         grads: list[Tensor | None] = []
+        given: Grads = ()
         if seg == self.last and work.loss_fn is not None:
-            roots, grads = [work.losses.pop(i) / work.microbatches], [None]
+            loss = work.losses.pop(i) / work.microbatches
+            if split:
+                wanted = [o for o in out if o.requires_grad]
+                found = dict(zip(map(id, wanted), torch.autograd.grad(loss, wanted)))
+                given = tuple(found.get(id(o)) for o in out)
+            elif loss.requires_grad:
+                roots, grads = [loss], [None]
         else:
             if seg == self.last:
                 assert work.output_grads is not None
@@ -466,11 +498,20 @@ class Runtime:
                 if g is not None and o.requires_grad:
                     roots.append(o)
                     grads.append(g)
-        pairs = [(r, g) for r, g in zip(roots, grads) if r.requires_grad]
-        if pairs:
-            torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
+        x_grads: list[Tensor | None]
+        if split:
+            x_grads, work.weights[(seg, i)] = input_backward(work.runs.pop((seg, i)), given)
+        else:
+            if roots:
+                torch.autograd.backward(roots, grads)
+            x_grads = [t.grad if t.requires_grad else None for t in x]
+            work.live -= 1
         if seg > 0:
-            work.grads[(seg - 1, i)] = tuple(t.grad if t.requires_grad else None for t in x)
+            work.grads[(seg - 1, i)] = tuple(x_grads)
+
+    def weight(self, work: Work, action: Action) -> None:
+        weight_backward(work.weights.pop((action.stage, action.microbatch)))
+        work.live -= 1
 
     def send_backward(self, work: Work, action: Action) -> None:
         grads = work.grads.pop((action.stage - 1, action.microbatch))

@@ -1,0 +1,186 @@
+"""Checks of AsyncPipe's arguments, and the plan each schedule argument stands for."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+from .lazy import LazyModule
+from .partition import Layer
+from .recompute import POLICIES
+from .schedule import NAMES, Plan, PlanError, build, gpipe, stage_owners, validate
+
+__all__: list[str] = []
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _suggest(layers: int, stages: int) -> list[int]:
+    base, extra = divmod(layers, max(stages, 1))
+    return [base + (1 if s < extra else 0) for s in range(stages)]
+
+
+def check_arguments(
+    module: object,
+    balance: object,
+    chunks: object,
+    checkpoint: object,
+    schedule: object,
+    virtual_stages: object = 1,
+) -> list[Layer]:
+    """Every problem with the constructor's arguments at once, as one ValueError/TypeError."""
+    problems: list[str] = []
+    kinds: list[type[Exception]] = []
+    layers: list[Layer] = []
+    if isinstance(module, nn.Sequential):
+        layers = list(iter(module))
+    elif isinstance(module, (list, tuple)):
+        bad = [
+            f"{n}: {type(m).__name__}"
+            for n, m in enumerate(module)
+            if not isinstance(m, (nn.Module, LazyModule))
+        ]
+        if bad:
+            problems.append(
+                "every item of a layer list must be an nn.Module or a LazyModule ("
+                + ", ".join(bad)
+                + "); wrap builders as LazyModule(lambda: layer)"
+            )
+            kinds.append(TypeError)
+        layers = list(module)
+    else:
+        problems.append(
+            f"module must be an nn.Sequential or a list of nn.Module/LazyModule (got "
+            f"{type(module).__name__}); wrap your layers with nn.Sequential(...)"
+        )
+        kinds.append(TypeError)
+    if module is not None and not layers and not problems:
+        problems.append("module has no layers; a pipeline needs at least one layer per stage")
+        kinds.append(ValueError)
+
+    if not isinstance(balance, (list, tuple)) or not balance:
+        problems.append(
+            f"balance must be a non-empty list of positive ints, one per stage (got {balance!r}); "
+            f"e.g. balance={_suggest(len(layers), 2)}"
+        )
+        kinds.append(TypeError)
+    else:
+        bad = [f"{n}: {b!r}" for n, b in enumerate(balance) if not _positive_int(b)]
+        if bad:
+            problems.append(
+                f"every entry of balance must be a positive int, the number of layers of a stage "
+                f"(bad entries: {', '.join(bad)})"
+            )
+            kinds.append(ValueError)
+        elif layers and sum(balance) != len(layers):
+            problems.append(
+                f"sum of balance must equal the number of layers (layers: {len(layers)}, sum of "
+                f"balance: {sum(balance)}); pass balance={_suggest(len(layers), len(balance))}"
+            )
+            kinds.append(ValueError)
+    if not _positive_int(chunks):
+        problems.append(
+            f"chunks must be a positive int, the number of micro-batches (got {chunks!r})"
+        )
+        kinds.append(ValueError)
+    if checkpoint not in POLICIES:
+        problems.append(f"checkpoint must be one of {', '.join(POLICIES)} (got {checkpoint!r})")
+        kinds.append(ValueError)
+    if isinstance(schedule, dict):
+        try:
+            validate(schedule)
+        except PlanError as e:
+            problems.append(f"the schedule plan is not valid: {e}")
+            kinds.append(ValueError)
+    elif schedule not in NAMES:
+        problems.append(
+            f"schedule must be one of {', '.join(NAMES)} or a plan {{rank: [Action, ...]}} "
+            f"(got {schedule!r})"
+        )
+        kinds.append(ValueError)
+    if not _positive_int(virtual_stages):
+        problems.append(f"virtual_stages must be a positive int (got {virtual_stages!r})")
+        kinds.append(ValueError)
+    elif virtual_stages != 1 and schedule != "interleaved":
+        problems.append(
+            f"virtual_stages={virtual_stages} needs schedule='interleaved' (got {schedule!r})"
+        )
+        kinds.append(ValueError)
+    elif (
+        isinstance(balance, (list, tuple))
+        and balance
+        and isinstance(virtual_stages, int)
+        and len(balance) % virtual_stages
+    ):
+        problems.append(
+            f"balance needs virtual_stages ({virtual_stages}) entries per rank, a multiple of "
+            f"{virtual_stages} (entries: {len(balance)})"
+        )
+        kinds.append(ValueError)
+    if problems:
+        text = (
+            "; ".join(problems)
+            if len(problems) == 1
+            else "\n  - ".join(["invalid AsyncPipe arguments:", *problems])
+        )
+        raise (TypeError if TypeError in kinds and ValueError not in kinds else ValueError)(text)
+    return layers
+
+
+def _one_block_per_rank(name: str, owners: list[int], ranks: int) -> None:
+    if owners != list(range(ranks)):
+        raise ValueError(
+            f"schedule {name!r} needs each rank to run one consecutive block of layers, in rank "
+            f"order (stages per rank: {owners}); a layer reused on another stage splits a block, "
+            f"so use schedule='gpipe' for such models"
+        )
+
+
+def plan_factory(
+    schedule: str | Plan, owners: list[int], ranks: int, virtual_stages: int
+) -> Callable[[int], Plan]:
+    """A function from the number of micro-batches of a step to its plan.
+
+    ``owners`` is the rank of every segment (the stages of the plan). Raises ValueError when the
+    schedule cannot run this partition.
+    """
+    if isinstance(schedule, dict):
+        plan = schedule
+        found = stage_owners(plan)
+        if [found.get(s) for s in range(len(owners))] != owners or len(found) != len(owners):
+            raise ValueError(
+                f"the schedule plan must place stage s on the rank that owns segment s (plan: "
+                f"{dict(sorted(found.items()))}, segments: {dict(enumerate(owners))})"
+            )
+        planned = 1 + max(a.microbatch for row in plan.values() for a in row if a is not None)
+
+        def fixed(microbatches: int) -> Plan:
+            if microbatches != planned:
+                raise ValueError(
+                    f"the schedule plan is for {planned} micro-batches but this batch splits into "
+                    f"{microbatches}; pass chunks={planned} and at least {planned} rows"
+                )
+            return plan
+
+        return fixed
+    if schedule == "gpipe":
+        return lambda m: build_gpipe(owners, m)
+    if schedule == "interleaved":
+        expected = [k % ranks for k in range(ranks * virtual_stages)]
+        if owners != expected:
+            raise ValueError(
+                f"schedule 'interleaved' needs stage k on rank k % {ranks} (stages per rank: "
+                f"{owners}); layers reused across stages are not supported with it"
+            )
+        return lambda m: build("interleaved", ranks, m, virtual_stages)
+    _one_block_per_rank(str(schedule), owners, ranks)
+    name = str(schedule)
+    return lambda m: build(name, ranks, m)
+
+
+def build_gpipe(owners: list[int], microbatches: int) -> Plan:
+    """Fill-drain over segments that may share ranks."""
+    return gpipe(len(owners), microbatches, ranks=owners)

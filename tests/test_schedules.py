@@ -1,0 +1,169 @@
+"""Every schedule over the in-process transport matches the plain model; memory bounds hold."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from models import grads_of, mlp, reference
+from threads import run_threads, values
+from torch import Tensor, nn
+
+from asyncpipe import AsyncPipe, StageFailure
+from asyncpipe.schedule import Action, build, one_f_one_b
+from asyncpipe.transport import Transport
+
+mse = nn.functional.mse_loss
+
+
+def run(
+    model: Any,
+    balance: list[int],
+    chunks: int,
+    policy: str,
+    schedule: Any,
+    rows: int = 10,
+    virtual_stages: int = 1,
+    world: int | None = None,
+) -> tuple[list[float], list[AsyncPipe], Tensor, Tensor]:
+    torch.manual_seed(3)
+    x, y = torch.randn(rows, 8), torch.randn(rows, 8)
+
+    def fn(rank: int, transport: Transport) -> tuple[float, AsyncPipe]:
+        pipe = AsyncPipe(
+            model,
+            balance,
+            chunks=chunks,
+            checkpoint=policy,
+            schedule=schedule,
+            virtual_stages=virtual_stages,
+            transport=transport,
+            timeout=10,
+        )
+        return pipe.step(x, y, mse), pipe
+
+    results = values(run_threads(fn, world or len(balance)))
+    return [r[0] for r in results], [r[1] for r in results], x, y
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero_bubble"])
+@pytest.mark.parametrize("policy", ["always", "except_last", "never"])
+@pytest.mark.parametrize("stages,chunks", [(2, 1), (2, 2), (3, 2), (3, 5), (4, 8)])
+def test_schedule_matches_plain_model(schedule: str, policy: str, stages: int, chunks: int) -> None:
+    model = mlp(2 * stages)
+    losses, _, x, y = run(model, [2] * stages, chunks, policy, schedule, rows=2 * chunks + 1)
+    want_loss, want_grads = reference(model, x, y, chunks, mse)
+    assert all(loss == pytest.approx(want_loss, rel=1e-6) for loss in losses)
+    for got, want in zip(grads_of(list(model.parameters())), want_grads):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("policy", ["always", "never"])
+@pytest.mark.parametrize("ranks,virtual,chunks", [(2, 2, 4), (2, 3, 2), (3, 2, 6), (1, 2, 3)])
+def test_interleaved_matches_plain_model(
+    policy: str, ranks: int, virtual: int, chunks: int
+) -> None:
+    model = mlp(ranks * virtual)
+    losses, pipes, x, y = run(
+        model,
+        [1] * (ranks * virtual),
+        chunks,
+        policy,
+        "interleaved",
+        rows=2 * chunks,
+        virtual_stages=virtual,
+        world=ranks,
+    )
+    want_loss, want_grads = reference(model, x, y, chunks, mse)
+    assert all(loss == pytest.approx(want_loss, rel=1e-6) for loss in losses)
+    for got, want in zip(grads_of(list(model.parameters())), want_grads):
+        torch.testing.assert_close(got, want)
+    # rank r holds the non-adjacent chunks r, r + ranks, ...
+    assert list(pipes[0]) == [model[k] for k in range(0, ranks * virtual, ranks)]
+
+
+def test_custom_plan_runs_and_must_match_the_batch() -> None:
+    plan = {
+        0: [Action.parse(a) for a in "0F0 0F1 0F2 0B0 0B1 0W0 0B2 0W1 0W2".split()],
+        1: [Action.parse(a) for a in "1F0 1B0 1W0 1F1 1B1 1F2 1W1 1B2 1W2".split()],
+    }
+    model = mlp(4)
+    losses, _, x, y = run(model, [2, 2], 3, "except_last", plan, rows=9)
+    want_loss, want_grads = reference(model, x, y, 3, mse)
+    assert losses[0] == pytest.approx(want_loss, rel=1e-6)
+    for got, want in zip(grads_of(list(model.parameters())), want_grads):
+        torch.testing.assert_close(got, want)
+
+    def wrong(rank: int, transport: Transport) -> float:
+        pipe = AsyncPipe(model, [2, 2], chunks=4, schedule=plan, transport=transport, timeout=10)
+        return pipe.step(x[:8], y[:8], mse)
+
+    results = run_threads(wrong, 2)
+    assert all(isinstance(e, (ValueError, StageFailure)) for _, e in results), results
+    assert "plan is for 3 micro-batches but this batch splits into 4" in str(results[0][1])
+
+
+def test_invalid_custom_plan_fails_in_the_constructor() -> None:
+    plan = {
+        0: [Action.parse("0B0"), Action.parse("0F0")],
+        1: [Action.parse(a) for a in ("1F0", "1B0")],
+    }
+    with pytest.raises(ValueError, match=r"schedule plan is not valid.*0B0 must come after 0F0"):
+        AsyncPipe(mlp(2), [1, 1], schedule=plan, transport=_dummy(2))
+
+
+def test_named_schedule_refuses_layers_reused_across_stages() -> None:
+    a, b, c = nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)
+    with pytest.raises(ValueError, match="schedule '1f1b' needs each rank to run one consecutive"):
+        AsyncPipe([a, b, c, a], [2, 2], schedule="1f1b", transport=_dummy(2))
+
+
+def test_virtual_stages_errors() -> None:
+    with pytest.raises(ValueError, match="virtual_stages=2 needs schedule='interleaved'"):
+        AsyncPipe(mlp(4), [1, 1, 1, 1], schedule="1f1b", virtual_stages=2, transport=_dummy(2))
+    with pytest.raises(ValueError, match=r"rank times virtual_stages \(2\)"):
+        AsyncPipe(mlp(6), [1] * 6, schedule="interleaved", virtual_stages=2, transport=_dummy(2))
+
+
+def _dummy(world: int) -> Transport:
+    from asyncpipe.transport import InProcessHub
+
+    return InProcessHub(world).transport(0)
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_one_f_one_b_bounds_activations_by_stages(stages: int) -> None:
+    chunks = 8
+    model = mlp(stages)
+    _, pipes, _, _ = run(model, [1] * stages, chunks, "never", "1f1b", rows=chunks)
+    for pipe in pipes:
+        assert pipe.last_step is not None
+        assert pipe.last_step.peak_activations == min(stages - pipe.stage, chunks)
+    _, pipes, _, _ = run(model, [1] * stages, chunks, "never", "gpipe", rows=chunks)
+    assert all(p.last_step is not None and p.last_step.peak_activations == chunks for p in pipes)
+
+
+def test_zero_bubble_peak_memory_equals_one_f_one_b() -> None:
+    model = mlp(4)
+    _, pipes, _, _ = run(model, [1] * 4, 8, "never", "zero_bubble", rows=8)
+    for pipe in pipes:
+        assert pipe.last_step is not None and pipe.last_step.peak_activations <= 4 - pipe.stage
+
+
+def test_split_backward_computes_weights_only_in_w() -> None:
+    """B must not touch weight gradients: they appear only after the W actions ran."""
+    plan = {0: [Action.parse(a) for a in "0F0 0B0".split()] + [None]}
+    plan[0] = [Action.parse("0F0"), Action.parse("0B0"), Action.parse("0W0")]
+    model = mlp(2)
+    seen: list[bool] = []
+    model[1][0].weight.register_hook(lambda g: seen.append(True))  # type: ignore[no-untyped-call]
+    losses, _, x, y = run(model, [2], 1, "never", plan, rows=4)
+    assert seen == [True]
+    want_loss, want_grads = reference(model, x, y, 1, mse)
+    for got, want in zip(grads_of(list(model.parameters())), want_grads):
+        torch.testing.assert_close(got, want)
+
+
+def test_build_names_every_schedule() -> None:
+    assert build("1f1b", 3, 4) == one_f_one_b(3, 4)
