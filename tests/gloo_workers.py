@@ -25,20 +25,39 @@ def _diff(pipe: AsyncPipe, want: dict[int, Tensor], model: nn.Module) -> float:
     return worst
 
 
-def transparency(rank: int, world: int, balances: list[list[int]], chunks_list: list[int]) -> Any:
-    """Loss and gradient errors against the plain model for every policy/balance/chunks."""
+def transparency(
+    rank: int,
+    world: int,
+    balances: list[list[int]],
+    chunks_list: list[int],
+    schedules: tuple[str, ...] = ("gpipe",),
+    policies: tuple[str, ...] = ("always", "except_last", "never"),
+    rows: int = 10,
+) -> Any:
+    """Loss and gradient errors against the plain model for every combination given."""
     out = {}
-    for balance in balances:
-        for chunks in chunks_list:
-            for policy in ["always", "except_last", "never"]:
-                model = mlp(sum(balance), seed=sum(balance) + chunks)
-                torch.manual_seed(7)
-                x, y = torch.randn(10, 8), torch.randn(10, 8)
-                want_loss, grads = reference(model, x, y, chunks, mse)
-                pipe = AsyncPipe(model, balance, chunks=chunks, checkpoint=policy, timeout=30)
-                loss = pipe.step(x if rank == 0 else None, y if rank == world - 1 else None, mse)
-                key = f"{balance}-{chunks}-{policy}"
-                out[key] = (abs(loss - want_loss), _diff(pipe, dict(enumerate(grads)), model))
+    for schedule in schedules:
+        for balance in balances:
+            virtual = len(balance) // world
+            for chunks in chunks_list:
+                for policy in policies:
+                    model = mlp(sum(balance), seed=sum(balance) + chunks)
+                    torch.manual_seed(7)
+                    x, y = torch.randn(rows, 8), torch.randn(rows, 8)
+                    want_loss, grads = reference(model, x, y, chunks, mse)
+                    pipe = AsyncPipe(
+                        model,
+                        balance,
+                        chunks=chunks,
+                        checkpoint=policy,
+                        timeout=30,
+                        schedule=schedule,
+                        virtual_stages=virtual,
+                    )
+                    first, last = pipe.is_first_stage, pipe.is_last_stage
+                    loss = pipe.step(x if first else None, y if last else None, mse)
+                    key = f"{schedule}-{balance}-{chunks}-{policy}"
+                    out[key] = (abs(loss - want_loss), _diff(pipe, dict(enumerate(grads)), model))
     return out
 
 

@@ -25,6 +25,36 @@ def test_four_processes_match_the_plain_model() -> None:
             assert loss_error < 1e-6 and grad_error < 1e-6, (rank, key, loss_error, grad_error)
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_schedule_matches_the_plain_model(world: int) -> None:
+    schedules = ("1f1b", "zero_bubble")
+    balances = [[1] * world]
+    results = run_ranks(
+        transparency,
+        world,
+        balances,
+        [1, world, 2 * world],
+        schedules,
+        ("except_last",),
+        16,
+        timeout=240,
+    )
+    results += run_ranks(
+        transparency,
+        world,
+        [[1] * (2 * world)],
+        [world, 2 * world],
+        ("interleaved",),
+        ("always", "never"),
+        16,
+        timeout=240,
+    )
+    for rank, checks in enumerate(results):
+        assert checks, rank
+        for key, (loss_error, grad_error) in checks.items():
+            assert loss_error < 1e-6 and grad_error < 1e-6, (rank, key, loss_error, grad_error)
+
+
 def test_tuples_lazy_modules_reuse_forward_and_inference() -> None:
     results = run_ranks(features, 2, timeout=180)
     assert results[0]["lazy_built"] == [True, True, True, False]

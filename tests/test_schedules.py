@@ -17,6 +17,10 @@ from asyncpipe.transport import Transport
 mse = nn.functional.mse_loss
 
 
+def acts(text: str) -> list[Action | None]:
+    return [Action.parse(a) for a in text.split(" ")]
+
+
 def run(
     model: Any,
     balance: list[int],
@@ -85,8 +89,8 @@ def test_interleaved_matches_plain_model(
 
 def test_custom_plan_runs_and_must_match_the_batch() -> None:
     plan = {
-        0: [Action.parse(a) for a in "0F0 0F1 0F2 0B0 0B1 0W0 0B2 0W1 0W2".split()],
-        1: [Action.parse(a) for a in "1F0 1B0 1W0 1F1 1B1 1F2 1W1 1B2 1W2".split()],
+        0: acts("0F0 0F1 0F2 0B0 0B1 0W0 0B2 0W1 0W2"),
+        1: acts("1F0 1B0 1W0 1F1 1B1 1F2 1W1 1B2 1W2"),
     }
     model = mlp(4)
     losses, _, x, y = run(model, [2, 2], 3, "except_last", plan, rows=9)
@@ -151,19 +155,53 @@ def test_zero_bubble_peak_memory_equals_one_f_one_b() -> None:
         assert pipe.last_step is not None and pipe.last_step.peak_activations <= 4 - pipe.stage
 
 
-def test_split_backward_computes_weights_only_in_w() -> None:
-    """B must not touch weight gradients: they appear only after the W actions ran."""
-    plan = {0: [Action.parse(a) for a in "0F0 0B0".split()] + [None]}
-    plan[0] = [Action.parse("0F0"), Action.parse("0B0"), Action.parse("0W0")]
+def test_split_backward_computes_weights_only_in_w(monkeypatch: pytest.MonkeyPatch) -> None:
+    """B must not touch weight gradients: they are computed inside the W action only."""
+    import asyncpipe.runtime
+
+    inside_w = [False]
+    real = asyncpipe.runtime.weight_backward
+
+    def watched(*args: Any) -> None:
+        inside_w[0] = True
+        real(*args)
+        inside_w[0] = False
+
+    monkeypatch.setattr(asyncpipe.runtime, "weight_backward", watched)
+    plan = {0: acts("0F0 0B0 0W0")}
     model = mlp(2)
     seen: list[bool] = []
-    model[1][0].weight.register_hook(lambda g: seen.append(True))  # type: ignore[no-untyped-call]
+    for layer in (model[0][0], model[1][0]):
+        layer.weight.register_hook(lambda g: seen.append(inside_w[0]))  # type: ignore[no-untyped-call]
     losses, _, x, y = run(model, [2], 1, "never", plan, rows=4)
-    assert seen == [True]
+    assert seen == [True, True]
     want_loss, want_grads = reference(model, x, y, 1, mse)
+    assert losses[0] == pytest.approx(want_loss, rel=1e-6)
     for got, want in zip(grads_of(list(model.parameters())), want_grads):
         torch.testing.assert_close(got, want)
 
 
 def test_build_names_every_schedule() -> None:
     assert build("1f1b", 3, 4) == one_f_one_b(3, 4)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_forward_and_back_helper_with_any_schedule(schedule: str) -> None:
+    model = mlp(4)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    plain = __import__("copy").deepcopy(model)
+    mse(plain(x), y).backward()
+
+    def fn(rank: int, transport: Transport) -> None:
+        pipe = AsyncPipe(
+            model, [2, 2], chunks=4, schedule=schedule, transport=transport, timeout=10
+        )
+        out = pipe(x if rank == 0 else None)
+        if pipe.is_last_stage:
+            mse(out, y).backward()
+        else:
+            pipe.back_helper(out)
+
+    values(run_threads(fn, 2))
+    for got, want in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(got.grad, want.grad)
