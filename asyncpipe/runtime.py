@@ -172,10 +172,40 @@ class Runtime:
             if not train:
                 plan = forward_only(plan)
             validate(plan)
+            if not self.transport.early_receives:
+                self._check_pair_order(plan)
             row = [a for a in plan[self.rank] if a is not None]
             split = frozenset((a.stage, a.microbatch) for a in row if a.kind is Kind.WEIGHT)
             self._plans[key] = (row, split)
         return self._plans[key]
+
+    def _check_pair_order(self, plan: Plan) -> None:
+        """A transport that matches messages in posting order (NCCL) needs every rank to
+        receive from a peer in the order that peer sends to it, across all channels."""
+        sent: dict[tuple[int, int], list[tuple[int, int, str]]] = {}
+        taken: dict[tuple[int, int], list[tuple[int, int, str]]] = {}
+        for rank, row in plan.items():
+            for a in row:
+                if a is None or a.kind.is_compute:
+                    continue
+                assert a.peer is not None
+                direction = "F" if a.kind in (Kind.SEND_F, Kind.RECV_F) else "B"
+                if a.kind.is_send:
+                    sent.setdefault((rank, self.owners[a.peer]), []).append(
+                        (a.stage, a.microbatch, direction)
+                    )
+                else:
+                    taken.setdefault((self.owners[a.peer], rank), []).append(
+                        (a.peer, a.microbatch, direction)
+                    )
+        for pair, order in sent.items():
+            if taken.get(pair) != order:
+                raise ValueError(
+                    f"this schedule receives messages from rank {pair[0]} on rank {pair[1]} in "
+                    f"another order than they are sent, which a transport that matches messages "
+                    f"in posting order (NCCL) cannot do; use schedule='gpipe' or '1f1b', or the "
+                    f"gloo backend"
+                )
 
     def channel(self, action: Action) -> tuple[int, int]:
         """(peer rank, channel) of a send or receive: channels are named by the receiving
