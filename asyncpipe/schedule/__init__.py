@@ -5,11 +5,14 @@ Nothing here imports torch.distributed: a plan can be built, checked and timed i
 
 from .action import Action, Kind, Plan, format_plan
 from .generate import forward_only, gpipe, one_f_one_b
+from .interleaved import interleaved
 from .lower import lower, stage_owners
 from .registry import NAMES, build
 from .replay import PlanError
+from .show import grid, parse_plan, timeline_png, timeline_svg
 from .simulate import Costs, Simulation, simulate
 from .validate import validate
+from .zero_bubble import zero_bubble
 
 __all__ = [
     "NAMES",
@@ -23,9 +26,15 @@ __all__ = [
     "forward_only",
     "format_plan",
     "gpipe",
+    "grid",
+    "interleaved",
     "lower",
     "one_f_one_b",
+    "parse_plan",
     "simulate",
     "stage_owners",
+    "timeline_png",
+    "timeline_svg",
     "validate",
+    "zero_bubble",
 ]

@@ -21,6 +21,12 @@ __all__: list[str] = []
 
 _PROG = "python -m asyncpipe.schedule"
 
+_SHOW_DESCRIPTION = """\
+Print a plan as a step-by-rank grid, then its simulated makespan, bubble (idle
+fraction) per rank and in total, and peak live activations per rank; optionally
+draw the simulated timeline as an SVG or PNG Gantt chart. The plan is a named
+schedule (--schedule) or a plan file (--plan)."""
+
 _SHOW_EPILOG = f"""\
 examples:
   {_PROG} show --schedule 1f1b --stages 4 --chunks 8
@@ -79,10 +85,7 @@ def _parser() -> argparse.ArgumentParser:
     show = commands.add_parser(
         "show",
         help="print a plan's step grid and simulated timing; draw its timeline",
-        description="Print a plan as a step-by-rank grid, then its simulated makespan, bubble "
-        "(idle fraction) per rank and in total, and peak live activations per rank; optionally "
-        "draw the simulated timeline as SVG or PNG. The plan is a named schedule (--schedule) "
-        "or a plan file (--plan).",
+        description=_SHOW_DESCRIPTION,
         epilog=_SHOW_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -194,8 +197,9 @@ def _file_plan(args: argparse.Namespace) -> tuple[Plan, str]:
     ]
     if given:
         raise _UsageError(
-            f"{', '.join(given)} describe a named schedule and cannot be used with --plan, "
-            f"whose file fixes them; drop {', '.join(given)} or use --schedule"
+            f"{', '.join(given)} {'describes' if len(given) == 1 else 'describe'} a named "
+            f"schedule and cannot be used with --plan, whose file fixes them; drop "
+            f"{', '.join(given)} or use --schedule"
         )
     path: Path = args.plan
     try:

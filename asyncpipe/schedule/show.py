@@ -266,7 +266,8 @@ def _layout(simulation: Simulation, title: str) -> _Picture:
         shapes.append(_Text(x + 17, legend, label, 11))
         x += 17 + _text_width(label, 11) + 18
 
-    width = max(left + chart_width + _RIGHT_WIDTH + _PAD, x + _PAD)
+    heading = max(_text_width(title, 15), _text_width(summary, 12))
+    width = max(left + chart_width + _RIGHT_WIDTH + _PAD, x + _PAD, 2 * _PAD + heading)
     height = legend + 8 + _PAD
     background = _Rect(0, 0, width, height, "#ffffff", "background")
     return _Picture(width, height, title, [background, *shapes])
