@@ -205,3 +205,49 @@ def test_forward_and_back_helper_with_any_schedule(schedule: str) -> None:
     values(run_threads(fn, 2))
     for got, want in zip(model.parameters(), plain.parameters()):
         torch.testing.assert_close(got.grad, want.grad)
+
+
+class _Ordered(Transport):
+    """A stand-in for a transport that matches messages in posting order, like NCCL."""
+
+    early_receives = False
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world_size = rank, world
+
+    def send(self, dst: int, channel: int, message: Any) -> None:
+        raise AssertionError("not used")
+
+    def recv(self, src: int, channel: int, slot: int = 0) -> Any:
+        raise AssertionError("not used")
+
+    def flush(self, timeout: float) -> None:
+        return None
+
+
+def test_posting_order_transport_refuses_plans_that_reorder_messages() -> None:
+    from asyncpipe.runtime import Runtime
+
+    def runtime(name: str, ranks: int, virtual: int) -> Runtime:
+        owners = [k % ranks for k in range(ranks * virtual)]
+        return Runtime(
+            0,
+            {0: []},
+            owners,
+            lambda m: build(name, ranks, m, virtual),
+            _Ordered(0, ranks),
+            1.0,
+            torch.device("cpu"),
+        )
+
+    runtime("1f1b", 4, 1).plan(8, True)
+    runtime("gpipe", 4, 1).plan(8, True)
+    runtime("interleaved", 2, 2).plan(4, True)
+    # rank 1 sends F0, B0, F1, B1 to rank 0, which takes F0, F1 before B0: fine per channel,
+    # impossible when messages are matched in posting order
+    plan = {0: acts("0F0 0F1 2F0 2B0 2F1 2B1 0B0 0B1"), 1: acts("1F0 1B0 1F1 1B1")}
+    reorders = Runtime(
+        0, {0: []}, [0, 1, 0], lambda m: plan, _Ordered(0, 2), 1.0, torch.device("cpu")
+    )
+    with pytest.raises(ValueError, match="in another order than they are sent"):
+        reorders.plan(2, True)
