@@ -8,6 +8,7 @@ Example:
 """
 
 from . import partition, schedule, transport
+from .batchnorm import DeferredBatchNorm
 from .failure import StageFailure, StepReport
 from .group import init
 from .lazy import LazyModule
@@ -17,6 +18,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AsyncPipe",
+    "DeferredBatchNorm",
     "LazyModule",
     "StageFailure",
     "StepReport",

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .arguments import check_arguments, plan_factory
+from .batchnorm import DeferredBatchNorm, commit_all
 from .failure import StageFailure, StepReport
 from .lazy import LazyModule
 from .microbatch import Tensors, as_tensors, gather, scatter
@@ -80,6 +81,11 @@ class AsyncPipe(nn.Module):
             built by hand (validated here; its micro-batch count must match each batch's).
         virtual_stages: model chunks per rank for ``schedule="interleaved"``; ``balance`` then
             has ``ranks * virtual_stages`` entries and entry ``k`` runs on rank ``k % ranks``.
+        deferred_batch_norm: replace this rank's BatchNorm layers by
+            :class:`~asyncpipe.DeferredBatchNorm`: each micro-batch is normalised by its own
+            statistics, the running statistics are updated once per mini-batch with those of the
+            whole mini-batch (a BatchNorm layer that is the whole layer is replaced, nested ones
+            are swapped inside the caller's layer).
         transport: ``"p2p"`` (torch.distributed send/recv) or a ``Transport`` object.
         timeout: seconds any wait for another rank may take before it fails naming that rank.
         device: device of received tensors (default: CPU, or the current CUDA device with
@@ -102,6 +108,7 @@ class AsyncPipe(nn.Module):
         *,
         schedule: str | Plan = "gpipe",
         virtual_stages: int = 1,
+        deferred_batch_norm: bool = False,
         transport: str | Transport = "p2p",
         timeout: float = 300.0,
         device: torch.device | str | None = None,
@@ -161,6 +168,15 @@ class AsyncPipe(nn.Module):
         self.segments: list[Segment] = segments
         mine = partitions[self.stage]
         built = [layer.build() if isinstance(layer, LazyModule) else layer for layer in mine.layers]
+        self.deferred_batch_norm = bool(deferred_batch_norm)
+        if self.deferred_batch_norm:
+            uses = [
+                sum(1 for inv in mine.invocations if inv.this.index == n) for n in range(len(built))
+            ]
+            built = [
+                DeferredBatchNorm.convert_deferred_batch_norm(layer, self.chunks * count)
+                for layer, count in zip(built, uses)
+            ]
         self.layers = nn.ModuleList(built)
         local = {
             seg.index: [self.layers[inv.this.index] for inv in seg.invocations]
@@ -234,6 +250,8 @@ class AsyncPipe(nn.Module):
         self._guard()
         try:
             work, report = self._runtime.run(prepare, phase or (lambda a: True), resume=resume)
+            if self.deferred_batch_norm and resume is None:  # the forwards of a mini-batch ran
+                commit_all(self.layers)
         except StageFailure as e:
             self._broken = e
             raise

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 from torch.autograd.profiler import record_function
 
+from .batchnorm import paused
 from .failure import StageFailure, StepReport
 from .microbatch import Tensors, as_tensors
 from .recompute import RNGState, checkpointed
@@ -503,7 +504,7 @@ class Runtime:
         out = work.outputs.pop((seg, i))
         rng = work.rng.pop((seg, i), None)
         if rng is not None:  # recompute; autograd may be running us with gradients off
-            with rng.restored(), torch.enable_grad():
+            with rng.restored(), torch.enable_grad(), paused(self.segments[seg]):
                 out = self._compute(work, seg, i, x)
         split = (seg, i) in work.split
         # The gradients of the outputs, and what to back-propagate from in a plain backward.

@@ -1,0 +1,353 @@
+"""DeferredBatchNorm: BatchNorm whose running statistics advance once per mini-batch."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.lazy import LazyModuleMixin
+
+__all__ = ["DeferredBatchNorm", "commit_all", "paused"]
+
+
+class DeferredBatchNorm(_BatchNorm):
+    """BatchNorm for micro-batched pipelines: normalise per micro-batch, track per mini-batch.
+
+    In training, each micro-batch is normalised with its own statistics, exactly as
+    ``nn.BatchNorm*d`` does on that micro-batch (same output, same gradients), but the running
+    statistics are left alone. Instead the layer folds every micro-batch's per-channel count,
+    mean and sum of squared deviations into a float64 accumulator (Chan's parallel combination,
+    which stays accurate where a plain sum of squares would cancel). :meth:`commit` then moves
+    ``running_mean``, ``running_var`` (unbiased) and ``num_batches_tracked`` once, to the values
+    a plain BatchNorm would reach after one training forward on the whole mini-batch::
+
+        mini-batch ──chunk──> mb 0     mb 1     ...    mb k-1
+        forward                 │        │                │       y = BN(mb; mean/var of mb)
+                                ▼        ▼                ▼
+        accumulator (float64)  (n, mean, M2) ─ fold ─ fold ─ ... per channel
+        recompute (paused)      normalise only, fold nothing
+        commit()                running_mean, running_var ← mini-batch mean, M2 / (n - 1)
+                                num_batches_tracked += 1; accumulator emptied
+
+    In eval mode the running statistics are used as usual and nothing is accumulated. The
+    state dict holds exactly the keys of a BatchNorm (``weight``, ``bias``, ``running_mean``,
+    ``running_var``, ``num_batches_tracked``); the accumulator is not part of it, and is kept
+    only between the first tracked forward of a mini-batch and :meth:`commit`.
+
+    One class serves 1d (2D and 3D inputs), 2d and 3d: any input with at least two dimensions,
+    channels in dimension 1, is accepted.
+
+    Args:
+        num_features: Number of channels (``C`` of an ``(N, C, ...)`` input).
+        eps: Added to the variance for numerical stability.
+        momentum: Weight of the new mini-batch in the exponential average of the running
+            statistics, or ``None`` for a cumulative moving average.
+        affine: Whether the layer has a learnable per-channel scale and shift.
+        chunks: Number of micro-batches per mini-batch. More than ``chunks`` tracked training
+            forwards without a :meth:`commit` raise ``RuntimeError``: a missing commit, a
+            recompute outside :func:`paused`, or a layer used several times per micro-batch
+            (then pass ``chunks`` times the number of uses).
+        device: Device of the parameters and buffers.
+        dtype: Floating-point type of the parameters and buffers.
+
+    Attributes:
+        tracking: Whether training forwards fold their statistics into the accumulator. The
+            pipeline switches it off around recomputes with :func:`paused`.
+
+    Example:
+        >>> import torch
+        >>> bn = DeferredBatchNorm(3, chunks=2)
+        >>> x = torch.randn(8, 3)
+        >>> y = torch.cat([bn(mb) for mb in x.chunk(2)])
+        >>> int(bn.num_batches_tracked)  # nothing committed yet
+        0
+        >>> bn.commit()
+        >>> torch.allclose(bn.running_mean, 0.1 * x.mean(0))
+        True
+    """
+
+    running_mean: Tensor
+    running_var: Tensor
+    num_batches_tracked: Tensor
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        *,
+        chunks: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(f"chunks must be a positive integer (got {chunks!r})")
+        super().__init__(num_features, eps, momentum, affine, True, device, dtype)
+        self.chunks = chunks
+        self.tracking = True
+        self._count = 0
+        self._microbatches = 0
+        self._mean: Tensor | None = None
+        self._m2: Tensor | None = None
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(
+                f"DeferredBatchNorm expects an (N, C, ...) input with at least 2 dimensions "
+                f"(got {input.dim()}D)"
+            )
+        if input.shape[1] != self.num_features:
+            raise ValueError(
+                f"DeferredBatchNorm expects {self.num_features} channels in dim 1 "
+                f"(got input of shape {tuple(input.shape)})"
+            )
+
+    def forward(self, input: Tensor) -> Tensor:
+        """Normalise ``input``; in training, with its own statistics, folding them in if tracking.
+
+        Args:
+            input: An ``(N, C, ...)`` tensor, ``C == num_features``.
+
+        Returns:
+            The normalised (and, if affine, scaled and shifted) input.
+        """
+        self._check_input_dim(input)
+        if not self.training:
+            return F.batch_norm(
+                input,
+                self.running_mean,
+                self.running_var,
+                self.weight,
+                self.bias,
+                False,
+                0.0,
+                self.eps,
+            )
+        if self.tracking and self._microbatches >= self.chunks:
+            raise RuntimeError(
+                f"DeferredBatchNorm tracked {self._microbatches} micro-batches without a "
+                f"commit() (chunks={self.chunks}): call commit() after each mini-batch, run "
+                f"recomputes inside asyncpipe.batchnorm.paused(), or, for a layer used several "
+                f"times per micro-batch, pass chunks times the number of uses"
+            )
+        # No running statistics given: normalise with the batch's, update nothing.
+        output = F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
+        if self.tracking:
+            self._accumulate(input.detach())
+        return output
+
+    def _accumulate(self, input: Tensor) -> None:
+        """Fold the per-channel count, mean and M2 of ``input`` into the accumulator."""
+        with torch.no_grad():
+            dims = [0, *range(2, input.dim())]
+            if input.dtype not in (torch.float32, torch.float64):
+                input = input.float()
+            var, mean = torch.var_mean(input, dim=dims, correction=0)
+            wide = torch.float32 if input.device.type == "mps" else torch.float64
+            n = input.numel() // input.shape[1]
+            mean = mean.to(wide)
+            m2 = var.to(wide) * n
+            if self._mean is None or self._m2 is None:
+                self._mean, self._m2 = mean, m2
+            else:
+                acc_mean, acc_m2 = self._mean.to(mean.device), self._m2.to(mean.device)
+                total = self._count + n
+                delta = mean - acc_mean
+                self._mean = acc_mean + delta * (n / total)
+                self._m2 = acc_m2 + m2 + delta.square() * (self._count * n / total)
+            self._count += n
+            self._microbatches += 1
+
+    def commit(self) -> None:
+        """Move the running statistics once, by the micro-batches folded in since the last commit.
+
+        Afterwards ``running_mean``, ``running_var`` and ``num_batches_tracked`` equal those of
+        a plain BatchNorm run once in training mode on the whole mini-batch. A commit with
+        nothing accumulated (no tracked training forward since the last one) changes nothing.
+
+        Example:
+            >>> import torch
+            >>> bn = DeferredBatchNorm(4, chunks=4)
+            >>> for mb in torch.randn(16, 4).chunk(4):
+            ...     _ = bn(mb)
+            >>> bn.commit()
+            >>> int(bn.num_batches_tracked)
+            1
+        """
+        if self._count == 0 or self._mean is None or self._m2 is None:
+            return
+        with torch.no_grad():
+            device = self.running_mean.device
+            mean = self._mean.to(device)
+            var = self._m2.to(device) / max(self._count - 1, 1)
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:  # cumulative moving average
+                factor = 1.0 / float(self.num_batches_tracked)
+            else:
+                factor = self.momentum
+            old_mean = self.running_mean.to(mean.dtype)
+            old_var = self.running_var.to(var.dtype)
+            self.running_mean.copy_(old_mean + (mean - old_mean) * factor)
+            self.running_var.copy_(old_var + (var - old_var) * factor)
+        self.discard()
+
+    def discard(self) -> None:
+        """Empty the accumulator without touching the running statistics (e.g. a failed step)."""
+        self._count = 0
+        self._microbatches = 0
+        self._mean = None
+        self._m2 = None
+
+    def reset_running_stats(self) -> None:
+        """Reset the running statistics, as BatchNorm does, and empty the accumulator."""
+        super().reset_running_stats()
+        if "_count" in self.__dict__:  # not yet set while _BatchNorm.__init__ runs
+            self.discard()
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, "
+            f"affine={self.affine}, chunks={self.chunks}"
+        )
+
+    @classmethod
+    def convert_deferred_batch_norm(cls, module: nn.Module, chunks: int) -> nn.Module:
+        """Replace every BatchNorm in ``module`` by a DeferredBatchNorm, recursively.
+
+        Each replacement carries the very ``Parameter`` objects and buffer tensors of the layer
+        it replaces (so optimizers and callers holding them keep working and see the
+        gradients), its ``eps``, ``momentum`` and training mode; the state dict keys are
+        unchanged, so checkpoints load both ways. Forward hooks registered on the old layer are
+        not carried over.
+
+        Left as they are:
+
+        * ``nn.SyncBatchNorm``: it synchronises its statistics across data-parallel
+          processes, which a DeferredBatchNorm would silently stop doing.
+        * BatchNorms built with ``track_running_stats=False``: they keep no running statistics,
+          so there is nothing to defer.
+        * DeferredBatchNorms: converting twice is harmless.
+
+        Args:
+            module: A module tree, or a single BatchNorm.
+            chunks: Number of micro-batches per mini-batch (see the class's ``chunks``).
+
+        Returns:
+            ``module`` with its BatchNorm children replaced in place, or, if ``module`` itself
+            is a BatchNorm, its DeferredBatchNorm replacement.
+
+        Raises:
+            ValueError: ``chunks`` is not a positive integer, or a lazy BatchNorm has not been
+                initialised yet (run one forward first).
+
+        Example:
+            >>> from torch import nn
+            >>> model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU())
+            >>> model = DeferredBatchNorm.convert_deferred_batch_norm(model, chunks=4)
+            >>> type(model[1]).__name__
+            'DeferredBatchNorm'
+        """
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(f"chunks must be a positive integer (got {chunks!r})")
+        if isinstance(module, _BatchNorm) and cls._convertible(module):
+            return cls._convert_one(module, chunks)
+        for name, child in module.named_children():
+            converted = cls.convert_deferred_batch_norm(child, chunks)
+            if converted is not child:
+                setattr(module, name, converted)
+        return module
+
+    @staticmethod
+    def _convertible(bn: _BatchNorm) -> bool:
+        if isinstance(bn, (DeferredBatchNorm, nn.SyncBatchNorm)) or not bn.track_running_stats:
+            return False
+        if isinstance(bn, LazyModuleMixin) and bn.has_uninitialized_params():
+            raise ValueError(
+                f"cannot convert the uninitialised {type(bn).__name__}: run one forward through "
+                f"the model first so that it knows its number of features"
+            )
+        return True
+
+    @classmethod
+    def _convert_one(cls, bn: _BatchNorm, chunks: int) -> DeferredBatchNorm:
+        mean, var, tracked = bn.running_mean, bn.running_var, bn.num_batches_tracked
+        assert mean is not None and var is not None and tracked is not None
+        new = cls(bn.num_features, bn.eps, bn.momentum, bn.affine, chunks=chunks, device="meta")
+        new.weight = bn.weight
+        new.bias = bn.bias
+        new.running_mean, new.running_var, new.num_batches_tracked = mean, var, tracked
+        new.train(bn.training)
+        return new
+
+
+def _deferred(modules: nn.Module | Iterable[object]) -> list[DeferredBatchNorm]:
+    """Every DeferredBatchNorm in ``modules`` (a module tree or an iterable of layers), once."""
+    roots = [modules] if isinstance(modules, nn.Module) else list(modules)
+    found: dict[int, DeferredBatchNorm] = {}
+    for root in roots:
+        if isinstance(root, nn.Module):
+            for m in root.modules():
+                if isinstance(m, DeferredBatchNorm):
+                    found.setdefault(id(m), m)
+    return list(found.values())
+
+
+@contextmanager
+def paused(modules: nn.Module | Iterable[object]) -> Iterator[None]:
+    """Switch off accumulation in every DeferredBatchNorm of ``modules`` for the body.
+
+    Wrap the recompute of a checkpointed micro-batch in it: the recompute still normalises
+    with the micro-batch's statistics (so its outputs and gradients match the first forward)
+    but folds nothing in, so the micro-batch counts once. Each layer's ``tracking`` is restored
+    to what it was, so pauses nest.
+
+    Args:
+        modules: A module tree, or an iterable of layers (objects that are not modules are
+            skipped), such as a pipeline stage's list of layers.
+
+    Example:
+        >>> import torch
+        >>> bn = DeferredBatchNorm(3, chunks=1)
+        >>> with paused(bn):
+        ...     _ = bn(torch.randn(4, 3))
+        >>> bn.commit()
+        >>> int(bn.num_batches_tracked)
+        0
+    """
+    layers = _deferred(modules)
+    before = [layer.tracking for layer in layers]
+    for layer in layers:
+        layer.tracking = False
+    try:
+        yield
+    finally:
+        for layer, tracking in zip(layers, before):
+            layer.tracking = tracking
+
+
+def commit_all(modules: nn.Module | Iterable[object]) -> None:
+    """Call :meth:`DeferredBatchNorm.commit` on every DeferredBatchNorm of ``modules``, once each.
+
+    Args:
+        modules: A module tree, or an iterable of layers (objects that are not modules are
+            skipped), such as a pipeline stage's list of layers.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> model = DeferredBatchNorm.convert_deferred_batch_norm(
+        ...     nn.Sequential(nn.BatchNorm1d(3)), chunks=2
+        ... )
+        >>> for mb in torch.randn(6, 3).chunk(2):
+        ...     _ = model(mb)
+        >>> commit_all(model)
+        >>> int(model[0].num_batches_tracked)
+        1
+    """
+    for layer in _deferred(modules):
+        layer.commit()
