@@ -134,3 +134,9 @@ def test_validate_rejects_bad_shapes() -> None:
 
 def test_format_plan_marks() -> None:
     assert format_plan({0: row("0F0 . 0B0")}, {0: 2}) == "rank 0: 0F0 . >>0B0<<"
+
+
+def test_simulate_send_cost_per_sending_stage() -> None:
+    # only stage 0 pays a latency: one hop down (0 -> 1) and none up (1 -> 0)
+    result = simulate(gpipe(2, 1), Costs(forward=1, backward=1, send={0: 0.5, 1: 0.0}))
+    assert result.makespan == pytest.approx(4.5)

@@ -19,14 +19,15 @@ def _per_stage(value: float | Mapping[int, float], stage: int) -> float:
 class Costs:
     """Seconds (or any unit) per action: a number for every stage, or a {stage: cost} mapping.
 
-    ``send`` is the latency a tensor takes to cross ranks; a send or receive action itself costs
+    ``send`` is the latency a tensor takes to cross ranks (a number, or a {stage: cost} mapping
+    by the sending stage); a send or receive action itself costs
     ``post`` on its rank (the time to hand the message over).
     """
 
     forward: float | Mapping[int, float] = 1.0
     backward: float | Mapping[int, float] = 2.0
     weight: float | Mapping[int, float] = 0.0
-    send: float = 0.0
+    send: float | Mapping[int, float] = 0.0
     post: float = 0.0
 
 
@@ -81,7 +82,8 @@ def simulate(plan: Plan, costs: Costs) -> Simulation:
         action = event.action
         ready = clock[event.rank]
         for dep, remote in deps:
-            ready = max(ready, end[dep] + (costs.send if remote else 0.0))
+            latency = _per_stage(costs.send, dep.action.stage) if remote else 0.0
+            ready = max(ready, end[dep] + latency)
         if action.kind is Kind.FORWARD:
             cost = _per_stage(costs.forward, action.stage)
         elif action.kind is Kind.BACKWARD:
