@@ -428,6 +428,9 @@ class Runtime:
             work.feed[key] = tuple(t for t in message.tensors if t is not None)
         else:
             work.grads[key] = message.tensors
+            # The gradient of this micro-batch came back, so the peer took its activations.
+            peer, _ = self.channel(action)
+            self.transport.settle(peer, 2 * (action.stage + 1), action.microbatch, self.timeout)
 
     def _input(self, work: Work, seg: int, i: int) -> Tensors:
         if seg == 0:

@@ -192,3 +192,23 @@ def failure(rank: int, world: int, where: str) -> Any:
     except Exception as e:
         return (type(e).__name__, str(e), -1, -1, "", time.monotonic() - began)
     return ("no error", "", -1, -1, "", time.monotonic() - began)
+
+
+def settle(rank: int, world: int) -> Any:
+    """A settled send releases its buffers; the others wait for the flush."""
+    from asyncpipe.transport import Message, P2PTransport
+
+    transport = P2PTransport()
+    big = torch.randn(64, 64)
+    if rank == 0:
+        for slot in range(3):
+            transport.send(1, 5, Message(slot, 3, (big * slot,)))
+        transport.recv(1, 6).wait(30)  # rank 1 has taken everything
+        transport.settle(1, 5, 1, 30)
+        left = sorted(key[2] for key in transport._pending)
+        transport.flush(30)
+        return left, len(transport._pending)
+    got = [transport.recv(0, 5, slot).wait(30) for slot in range(3)]
+    transport.send(0, 6, Message(0, 1, (torch.zeros(1),)))
+    transport.flush(30)
+    return [float(m.tensors[0].sum()) for m in got if m.tensors[0] is not None]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from gloo_workers import dropout, failure, features, transparency
+from gloo_workers import dropout, failure, features, settle, transparency
 from spawn import run_ranks
 
 pytestmark = pytest.mark.slow
@@ -91,3 +91,11 @@ def test_a_hung_stage_fails_the_others_within_the_timeout() -> None:
     assert seconds < 8
     kind, text, *_, seconds = results[0]
     assert kind == "StageFailure", text
+
+
+def test_settled_sends_release_their_buffers() -> None:
+    sender, receiver = run_ranks(settle, 2, timeout=120)
+    assert sender == ([0, 2], 0)
+    assert (
+        len(receiver) == 3 and receiver[0] == 0.0 and receiver[2] == pytest.approx(2 * receiver[1])
+    )

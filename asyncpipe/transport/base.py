@@ -62,6 +62,10 @@ class Transport(abc.ABC):
         ``message.microbatch``); a transport may use it to size the receive ahead of time.
         """
 
+    def settle(self, dst: int, channel: int, slot: int, timeout: float) -> None:  # noqa: B027
+        """Release the buffers of the messages sent to ``dst`` on ``channel`` for ``slot``,
+        which the caller knows were taken (e.g. the gradient of that micro-batch came back)."""
+
     @abc.abstractmethod
     def flush(self, timeout: float) -> None:
         """Wait, at most ``timeout`` s in all, until every send started so far has been taken

@@ -228,7 +228,8 @@ class P2PTransport(Transport):
         self.device = device or torch.device("cpu")
         self.early_receives = self.packs = dist.get_backend(group) != "nccl"
         self.capacity: dict[tuple[int, int, int], int] = {}
-        self._pending: list[tuple[dist.Work | None, list[Tensor]]] = []
+        # sends not yet known to be taken, by (peer, channel, slot); buffers live until then
+        self._pending: dict[tuple[int, int, int], list[tuple[dist.Work | None, Tensor]]] = {}
 
     def global_rank(self, rank: int) -> int:
         return self._ranks[rank]
@@ -238,19 +239,18 @@ class P2PTransport(Transport):
         if self.packs:
             self.capacity[key] = max(self.capacity.get(key, HEADER_BYTES), size)
 
-    def _isend(self, tensor: Tensor, dst: int, tag: int) -> None:
-        work = dist.isend(tensor, self.global_rank(dst), group=self.group, tag=tag)
-        self._pending.append((work, [tensor]))
+    def _isend(self, tensor: Tensor, key: tuple[int, int, int], tag: int) -> None:
+        work = dist.isend(tensor, self.global_rank(key[0]), group=self.group, tag=tag)
+        self._pending.setdefault(key, []).append((work, tensor))
 
     def send(self, dst: int, channel: int, message: Message) -> None:
-        self._pending = [(w, k) for w, k in self._pending if w is not None and not w.is_completed()]
+        key = (dst, channel, message.microbatch)
         if message.error is not None:  # the text rides in the header: one message
-            self._isend(_error_header(message).view(torch.uint8).to(self.device), dst, 2 * channel)
+            self._isend(_error_header(message).view(torch.uint8).to(self.device), key, 2 * channel)
             return
         payload = [None if t is None else t for t in message.tensors]
         fields = encode_header(message, payload)
         total = fields[5]
-        key = (dst, channel, message.microbatch)
         if total <= self.capacity.get(key, HEADER_BYTES):
             buffer = torch.empty(total, dtype=torch.uint8, device=self.device)
             buffer[: 8 * len(fields)].view(torch.int64).copy_(torch.tensor(fields))
@@ -259,24 +259,31 @@ class P2PTransport(Transport):
                 if tensor is not None:
                     flat = tensor.detach().contiguous().view(-1).view(torch.uint8)
                     buffer[offset : offset + flat.numel()].copy_(flat)
-            self._isend(buffer, dst, 2 * channel)
+            self._isend(buffer, key, 2 * channel)
             return
         fields[2] = _SEPARATE
         self.grow(key, total)
         header = torch.zeros(HEADER_SIZE, dtype=torch.int64)
         header[: len(fields)] = torch.tensor(fields)
-        self._isend(header.view(torch.uint8).to(self.device), dst, 2 * channel)
+        self._isend(header.view(torch.uint8).to(self.device), key, 2 * channel)
         for tensor in payload:
             if tensor is not None:
-                self._isend(tensor.detach().contiguous(), dst, 2 * channel + 1)
+                self._isend(tensor.detach().contiguous(), key, 2 * channel + 1)
 
     def recv(self, src: int, channel: int, slot: int = 0) -> PendingRecv:
         return _P2PRecv(self, src, channel, slot)
 
+    def settle(self, dst: int, channel: int, slot: int, timeout: float) -> None:
+        sends = self._pending.pop((dst, channel, slot), [])
+        self._wait_all(sends, timeout)
+
     def flush(self, timeout: float) -> None:
-        pending, self._pending = self._pending, []
+        pending, self._pending = self._pending, {}
+        self._wait_all([send for sends in pending.values() for send in sends], timeout)
+
+    def _wait_all(self, sends: list[tuple[dist.Work | None, Tensor]], timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        for work, _ in pending:
+        for work, _ in sends:
             if work is None:
                 continue
             left = max(deadline - time.monotonic(), 0.001)
