@@ -1,1 +1,1 @@
-"""Benchmarks for asyncpipe on the reference workload (run ``python -m benchmarks.gpipe``)."""
+"""Benchmarks on the reference workload (``python -m benchmarks.gpipe``, ``.schedules``)."""

@@ -1,0 +1,273 @@
+"""One benchmark rank of ``benchmarks.schedules``: runs a list of (system, chunks) entries."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import resource
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .worker import StepFn, _breakdown, _loss
+from .workload import BUSY, RSS, build_model, make_batch
+
+__all__ = ["ASYNCPIPE", "PEERS", "SYSTEMS", "main", "stage_layers"]
+
+ASYNCPIPE = {
+    "asyncpipe-gpipe": "gpipe",
+    "asyncpipe-1f1b": "1f1b",
+    "asyncpipe-interleaved": "interleaved",
+    "asyncpipe-zero_bubble": "zero_bubble",
+}
+"""asyncpipe's systems: ``AsyncPipe(schedule=...)`` by schedule name."""
+
+PEERS = {
+    "torch-gpipe": "ScheduleGPipe",
+    "torch-1f1b": "Schedule1F1B",
+    "torch-interleaved": "ScheduleInterleaved1F1B",
+    "torch-zero_bubble": "ScheduleInterleavedZeroBubble",
+    "torch-zbv": "ScheduleZBVZeroBubble",
+}
+"""torch.distributed.pipelining's schedules (class names in ``...pipelining.schedules``)."""
+
+SYSTEMS = (*ASYNCPIPE, *PEERS)
+
+MULTI_STAGE = {"asyncpipe-interleaved", "torch-interleaved", "torch-zbv"}
+"""Systems that hold ``virtual_stages`` model chunks per rank; the others hold one."""
+
+
+def stage_layers(system: str, ranks: int, layers: int, virtual: int, rank: int) -> list[int]:
+    """The model stages of ``rank`` (in the order the rank holds them) under ``system``.
+
+    One stage per rank: stage ``rank``. Interleaved: ``virtual`` stages, stage ``k`` on rank
+    ``k % ranks``. ZBV: two stages in a V, rank ``r`` holding stages ``r`` and ``2R - 1 - r``.
+    """
+    if system not in MULTI_STAGE:
+        return [rank]
+    if system == "torch-zbv":
+        return [rank, 2 * ranks - 1 - rank]
+    return [rank + v * ranks for v in range(virtual)]
+
+
+def _stage_count(system: str, ranks: int, virtual: int) -> int:
+    if system == "torch-zbv":
+        return 2 * ranks
+    return ranks * virtual if system in MULTI_STAGE else ranks
+
+
+def _stage_module(model: nn.Sequential, stages: int, stage: int) -> nn.Sequential:
+    per = len(model) // stages
+    return nn.Sequential(*(model[i] for i in range(stage * per, (stage + 1) * per)))
+
+
+def _asyncpipe_step(
+    system: str,
+    model: nn.Sequential,
+    ranks: int,
+    virtual: int,
+    chunks: int,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    timeout_s: float,
+) -> StepFn:
+    import asyncpipe
+
+    stages = _stage_count(system, ranks, virtual)
+    pipe = asyncpipe.AsyncPipe(
+        model,
+        balance=[len(model) // stages] * stages,
+        chunks=chunks,
+        checkpoint="never",
+        schedule=ASYNCPIPE[system],
+        virtual_stages=stages // ranks,
+        timeout=timeout_s,
+    )
+
+    def step() -> dict[str, Any]:
+        pipe.step(x, y, _loss)
+        last = pipe.last_step
+        if last is None:
+            raise RuntimeError("AsyncPipe.step() left no last_step report")
+        events = [(str(a), float(b), float(e)) for a, b, e in last.events]
+        return {
+            "lib_seconds": float(last.seconds),
+            "lib_idle": float(last.idle_fraction),
+            "peak_activations": int(last.peak_activations),
+            **_breakdown(events, last.seconds),
+            "events": events,
+            "events_start": float(last.start),
+        }
+
+    return step
+
+
+def _torch_step(
+    system: str,
+    model: nn.Sequential,
+    ranks: int,
+    virtual: int,
+    chunks: int,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    group: dist.ProcessGroup,
+) -> StepFn:
+    from torch.distributed.pipelining import PipelineStage, schedules
+
+    rank = dist.get_rank()
+    stages = _stage_count(system, ranks, virtual)
+    mine = stage_layers(system, ranks, len(model), virtual, rank)
+    built = [
+        PipelineStage(_stage_module(model, stages, s), s, stages, torch.device("cpu"), group=group)
+        for s in mine
+    ]
+    cls = getattr(schedules, PEERS[system])
+    if system in ("torch-gpipe", "torch-1f1b"):
+        schedule = cls(built[0], n_microbatches=chunks, loss_fn=_loss)
+    else:
+        schedule = cls(built, n_microbatches=chunks, loss_fn=_loss)
+    first, last = 0 in mine, stages - 1 in mine
+    order = getattr(schedule, "pipeline_order", None)
+    plan = (
+        {str(r): [None if a is None else str(a) for a in row] for r, row in order.items()}
+        if rank == 0 and isinstance(order, dict)
+        else None
+    )
+
+    def step() -> dict[str, Any]:
+        losses: list[torch.Tensor] = []
+        if first and last:
+            schedule.step(x, target=y, losses=losses)
+        elif first:
+            schedule.step(x)
+        elif last:
+            schedule.step(target=y, losses=losses)
+        else:
+            schedule.step()
+        return {} if plan is None else {"plan": plan}
+
+    return step
+
+
+def _write(path: Path, record: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    tmp.replace(path)
+
+
+def _max_rss_bytes() -> int:
+    """The process's peak RSS so far (``ru_maxrss`` is in KiB on Linux)."""
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def _entries(text: str) -> list[tuple[int, str, int]]:
+    """``"3:asyncpipe-gpipe:8,..."`` -> ``[(3, "asyncpipe-gpipe", 8), ...]`` (index, system,
+    chunks)."""
+    out = []
+    for item in text.split(","):
+        index, system, chunks = item.split(":")
+        if system not in SYSTEMS:
+            raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
+        out.append((int(index), system, int(chunks)))
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    rank = int(os.environ["RANK"])
+    out = Path(args.out) / f"rank{rank}.json"
+    record: dict[str, Any] = {"rank": rank, "runs": [], "error": None, "failed_entry": None}
+    _write(out, record)
+    torch.set_num_threads(1)
+    try:
+        import asyncpipe
+
+        asyncpipe.init(timeout=args.pg_timeout)
+        # The peers talk on a group of their own, so no message can meet asyncpipe's.
+        peer_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.pg_timeout))
+        assert peer_group is not None
+        ranks = dist.get_world_size()
+        RSS.enabled = args.memory
+        for index, system, chunks in _entries(args.entries):
+            record["failed_entry"] = index  # until this entry completes
+            _write(out, record)
+            model = build_model(args.f_ms, args.layers)
+            x, y = make_batch(chunks, args.micro_batch, args.shape)
+            if system in ASYNCPIPE:
+                step = _asyncpipe_step(
+                    system, model, ranks, args.virtual, chunks, x, y, args.pg_timeout
+                )
+            else:
+                step = _torch_step(system, model, ranks, args.virtual, chunks, x, y, peer_group)
+            run_record: dict[str, Any] = {
+                "entry": index,
+                "system": system,
+                "chunks": chunks,
+                "seconds": [],
+                "busy": [],
+                "max_rss_before": _max_rss_bytes(),
+            }
+            for i in range(args.warmup + args.steps):
+                model.zero_grad(set_to_none=True)
+                dist.barrier()
+                BUSY.reset()
+                RSS.reset()
+                t0 = time.perf_counter()
+                extra = step()
+                seconds = time.perf_counter() - t0
+                if i >= args.warmup:
+                    run_record["seconds"].append(seconds)
+                    run_record["busy"].append(BUSY.seconds)
+                    if args.memory:
+                        run_record.setdefault("rss_start", []).append(RSS.start_bytes)
+                        run_record.setdefault("rss_peak", []).append(RSS.peak_bytes)
+                    for key, value in extra.items():
+                        if key in ("events", "events_start"):
+                            run_record[f"last_{key}"] = value
+                        elif key == "plan":
+                            run_record["plan"] = value
+                        else:
+                            run_record.setdefault(key, []).append(value)
+            run_record["max_rss_after"] = _max_rss_bytes()
+            record["runs"].append(run_record)
+            record["failed_entry"] = None
+            _write(out, record)
+            del step, model
+            gc.collect()
+        dist.barrier()
+    except Exception as exc:  # reported to the launcher through the record and the log
+        traceback.print_exc()
+        record["error"] = f"{type(exc).__name__}: {exc}".strip()[:1000]
+        _write(out, record)
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--entries", required=True, help="index:system:chunks,...")
+    parser.add_argument("--f-ms", type=float, default=5.0)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--shape", choices=("small", "large"), default="small")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--virtual", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--memory", action="store_true", help="sample RSS inside every step")
+    parser.add_argument("--pg-timeout", type=float, default=60.0)
+    parser.add_argument("--out", required=True)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
