@@ -368,6 +368,7 @@ class Runtime:
             )
         assert work is not None
         work.loss_sum = sum(row[0] for row in table)
+        self._statuses = {}
         self.transport.flush(self.timeout)
 
     def _raise(self, failure: Failed, original: BaseException | None) -> BaseException:

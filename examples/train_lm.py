@@ -367,6 +367,7 @@ def main() -> None:
         sample = generate(pipe, corpus, args)
         say(f"sample (prompt: {args.seq_len} characters of validation text):\n---\n{sample}\n---")
 
+    dist.barrier()  # every rank is done before any tears the process group down
     dist.destroy_process_group()
 
 

@@ -137,7 +137,7 @@ class _P2PRecv(PendingRecv):
         self.transport, self.src, self.channel, self.slot = transport, src, channel, slot
         capacity = transport.capacity.get((src, channel, slot), HEADER_BYTES)
         self.buffer = torch.empty(capacity, dtype=torch.uint8, device=transport.device)
-        self.work = dist.irecv(
+        self.work: dist.Work | None = dist.irecv(
             self.buffer, transport.global_rank(src), group=transport.group, tag=2 * channel
         )
 
@@ -160,6 +160,7 @@ class _P2PRecv(PendingRecv):
 
     def wait(self, timeout: float) -> Message:
         self._wait(self.work, timeout, "a message")
+        self.work = None  # hold no finished Work: gloo may abort on them at interpreter exit
         head = self.buffer[:16].cpu().view(torch.int64).tolist()
         if head[0] != _MAGIC or not 7 <= head[1] <= HEADER_SIZE:
             decode_header(head)  # raises the explanation
