@@ -77,6 +77,7 @@ class Work:
     pending: dict[Action, PendingRecv] = field(default_factory=dict)
     unposted: list[Action] = field(default_factory=list)
     split: frozenset[tuple[int, int]] = frozenset()
+    settle: dict[Action, list[Action]] = field(default_factory=dict)
     runs: dict[tuple[int, int], list[LayerRun]] = field(default_factory=dict)
     weights: dict[tuple[int, int], list[tuple[LayerRun, list[Tensor | None]]]] = field(
         default_factory=dict
@@ -149,6 +150,7 @@ class Runtime:
         self.device = device
         self.last = len(owners) - 1
         self._plans: dict[tuple[int, bool], tuple[list[Action], frozenset[tuple[int, int]]]] = {}
+        self._settle: dict[tuple[int, bool], dict[Action, list[Action]]] = {}
         self._statuses: dict[int, PendingRecv] = {}
         self.handlers: dict[Kind, Callable[[Work, Action], None]] = {
             Kind.FORWARD: self.forward,
@@ -178,7 +180,33 @@ class Runtime:
             row = [a for a in plan[self.rank] if a is not None]
             split = frozenset((a.stage, a.microbatch) for a in row if a.kind is Kind.WEIGHT)
             self._plans[key] = (row, split)
+            self._settle[key] = self._settle_points(plan)
         return self._plans[key]
+
+    def _settle_points(self, plan: Plan) -> dict[Action, list[Action]]:
+        """For each receive of this rank, the sends it proves taken.
+
+        A peer runs its row in order: once this rank receives what the peer sent after taking
+        one of our messages, that message is taken and its buffers can go. Found from the plan
+        alone, so a rank never waits on a send that might still be in flight.
+        """
+        position = {a: n for rank, row in plan.items() for n, a in enumerate(row) if a is not None}
+        match = {Kind.SEND_F: Kind.RECV_F, Kind.SEND_B: Kind.RECV_B}
+        mine = [a for a in plan[self.rank] if a is not None]
+        points: dict[Action, list[Action]] = {}
+        for send in (a for a in mine if a.kind.is_send):
+            assert send.peer is not None
+            taken = position[Action(send.peer, match[send.kind], send.microbatch, send.stage)]
+            peer = self.owners[send.peer]
+            for recv in (a for a in mine if a.kind.is_recv):
+                assert recv.peer is not None
+                if self.owners[recv.peer] != peer:
+                    continue
+                back = Kind.SEND_F if recv.kind is Kind.RECV_F else Kind.SEND_B
+                if position[Action(recv.peer, back, recv.microbatch, recv.stage)] > taken:
+                    points.setdefault(recv, []).append(send)
+                    break
+        return points
 
     def _check_pair_order(self, plan: Plan) -> None:
         """A transport that matches messages in posting order (NCCL) needs every rank to
@@ -266,6 +294,7 @@ class Runtime:
             current = "prepare"
             work = resume if resume is not None else prepare(microbatches)
             full, work.split = self.plan(work.microbatches, work.train)
+            work.settle = self._settle[(work.microbatches, work.train)]
             row = [a for a in full if phase(a)]
             if first is not None and first_action is not None:
                 work.pending[first_action] = first
@@ -429,9 +458,8 @@ class Runtime:
             work.feed[key] = tuple(t for t in message.tensors if t is not None)
         else:
             work.grads[key] = message.tensors
-            # The gradient of this micro-batch came back, so the peer took its activations.
-            peer, _ = self.channel(action)
-            self.transport.settle(peer, 2 * (action.stage + 1), action.microbatch, self.timeout)
+        for send in work.settle.get(action, ()):
+            self.transport.settle(*self.channel(send), send.microbatch, self.timeout)
 
     def _input(self, work: Work, seg: int, i: int) -> Tensors:
         if seg == 0:
