@@ -251,3 +251,26 @@ def test_posting_order_transport_refuses_plans_that_reorder_messages() -> None:
     )
     with pytest.raises(ValueError, match="in another order than they are sent"):
         reorders.plan(2, True)
+
+
+def test_settle_points_follow_the_peers_row_order() -> None:
+    from asyncpipe.runtime import Runtime
+    from asyncpipe.schedule import lower
+
+    runtime = Runtime(
+        1,
+        {1: []},
+        [0, 1, 2, 3],
+        lambda m: one_f_one_b(4, m),
+        _Ordered(1, 4),
+        1.0,
+        torch.device("cpu"),
+    )
+    points = runtime._settle_points(lower(one_f_one_b(4, 8)))
+    named = {str(k): [str(a) for a in v] for k, v in points.items()}
+    # stage 2 took activations 0 and 1 before it sent gradient 0 back
+    assert named["1RECV_B0->2"] == ["1SEND_F0->2", "1SEND_F1->2"]
+    # stage 0 took gradient 0 before it sent micro-batch 4 (after its warm-up of 3)
+    assert named["1RECV_F4->0"] == ["1SEND_B0->0"]
+    settled = [a for sends in points.values() for a in sends]
+    assert len(settled) == len(set(settled)) == 12
