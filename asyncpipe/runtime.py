@@ -27,6 +27,7 @@ from .failure import StageFailure, StepReport
 from .microbatch import Tensors, as_tensors
 from .recompute import RNGState, checkpointed
 from .schedule import Action, Kind, Plan, forward_only, lower, validate
+from .schedule.messages import misordered_pair, settle_points
 from .split import LayerRun, input_backward, run_cut, weight_backward
 from .transport import Message, PendingRecv, Transport
 
@@ -175,66 +176,19 @@ class Runtime:
             if not train:
                 plan = forward_only(plan)
             validate(plan)
-            if not self.transport.early_receives:
-                self._check_pair_order(plan)
-            row = [a for a in plan[self.rank] if a is not None]
-            split = frozenset((a.stage, a.microbatch) for a in row if a.kind is Kind.WEIGHT)
-            self._plans[key] = (row, split)
-            self._settle[key] = self._settle_points(plan)
-        return self._plans[key]
-
-    def _settle_points(self, plan: Plan) -> dict[Action, list[Action]]:
-        """For each receive of this rank, the sends it proves taken.
-
-        A peer runs its row in order: once this rank receives what the peer sent after taking
-        one of our messages, that message is taken and its buffers can go. Found from the plan
-        alone, so a rank never waits on a send that might still be in flight.
-        """
-        position = {a: n for rank, row in plan.items() for n, a in enumerate(row) if a is not None}
-        match = {Kind.SEND_F: Kind.RECV_F, Kind.SEND_B: Kind.RECV_B}
-        mine = [a for a in plan[self.rank] if a is not None]
-        points: dict[Action, list[Action]] = {}
-        for send in (a for a in mine if a.kind.is_send):
-            assert send.peer is not None
-            taken = position[Action(send.peer, match[send.kind], send.microbatch, send.stage)]
-            peer = self.owners[send.peer]
-            for recv in (a for a in mine if a.kind.is_recv):
-                assert recv.peer is not None
-                if self.owners[recv.peer] != peer:
-                    continue
-                back = Kind.SEND_F if recv.kind is Kind.RECV_F else Kind.SEND_B
-                if position[Action(recv.peer, back, recv.microbatch, recv.stage)] > taken:
-                    points.setdefault(recv, []).append(send)
-                    break
-        return points
-
-    def _check_pair_order(self, plan: Plan) -> None:
-        """A transport that matches messages in posting order (NCCL) needs every rank to
-        receive from a peer in the order that peer sends to it, across all channels."""
-        sent: dict[tuple[int, int], list[tuple[int, int, str]]] = {}
-        taken: dict[tuple[int, int], list[tuple[int, int, str]]] = {}
-        for rank, row in plan.items():
-            for a in row:
-                if a is None or a.kind.is_compute:
-                    continue
-                assert a.peer is not None
-                direction = "F" if a.kind in (Kind.SEND_F, Kind.RECV_F) else "B"
-                if a.kind.is_send:
-                    sent.setdefault((rank, self.owners[a.peer]), []).append(
-                        (a.stage, a.microbatch, direction)
-                    )
-                else:
-                    taken.setdefault((self.owners[a.peer], rank), []).append(
-                        (a.peer, a.microbatch, direction)
-                    )
-        for pair, order in sent.items():
-            if taken.get(pair) != order:
+            pair = None if self.transport.early_receives else misordered_pair(plan)
+            if pair is not None:
                 raise ValueError(
                     f"this schedule receives messages from rank {pair[0]} on rank {pair[1]} in "
                     f"another order than they are sent, which a transport that matches messages "
                     f"in posting order (NCCL) cannot do; use schedule='gpipe' or '1f1b', or the "
                     f"gloo backend"
                 )
+            row = [a for a in plan[self.rank] if a is not None]
+            split = frozenset((a.stage, a.microbatch) for a in row if a.kind is Kind.WEIGHT)
+            self._plans[key] = (row, split)
+            self._settle[key] = settle_points(plan, self.rank)
+        return self._plans[key]
 
     def channel(self, action: Action) -> tuple[int, int]:
         """(peer rank, channel) of a send or receive: channels are named by the receiving

@@ -254,19 +254,10 @@ def test_posting_order_transport_refuses_plans_that_reorder_messages() -> None:
 
 
 def test_settle_points_follow_the_peers_row_order() -> None:
-    from asyncpipe.runtime import Runtime
     from asyncpipe.schedule import lower
+    from asyncpipe.schedule.messages import settle_points
 
-    runtime = Runtime(
-        1,
-        {1: []},
-        [0, 1, 2, 3],
-        lambda m: one_f_one_b(4, m),
-        _Ordered(1, 4),
-        1.0,
-        torch.device("cpu"),
-    )
-    points = runtime._settle_points(lower(one_f_one_b(4, 8)))
+    points = settle_points(lower(one_f_one_b(4, 8)), 1)
     named = {str(k): [str(a) for a in v] for k, v in points.items()}
     # stage 2 took activations 0 and 1 before it sent gradient 0 back
     assert named["1RECV_B0->2"] == ["1SEND_F0->2", "1SEND_F1->2"]
