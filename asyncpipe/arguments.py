@@ -166,8 +166,8 @@ def plan_factory(
             return plan
 
         return fixed
-    if schedule == "gpipe":
-        return lambda m: build_gpipe(owners, m)
+    if schedule == "gpipe":  # fill-drain over segments that may share ranks
+        return lambda m: gpipe(len(owners), m, ranks=owners)
     if schedule == "interleaved":
         expected = [k % ranks for k in range(ranks * virtual_stages)]
         if owners != expected:
@@ -179,8 +179,3 @@ def plan_factory(
     _one_block_per_rank(str(schedule), owners, ranks)
     name = str(schedule)
     return lambda m: build(name, ranks, m)
-
-
-def build_gpipe(owners: list[int], microbatches: int) -> Plan:
-    """Fill-drain over segments that may share ranks."""
-    return gpipe(len(owners), microbatches, ranks=owners)

@@ -448,7 +448,13 @@ def _markers(shape: str) -> tuple[str, str]:
 def write_markdown(path: Path, section: str, shape: str) -> None:
     """Replace this shape's generated section of ``path``, or append it (creating the file)."""
     begin, end = _markers(shape)
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    replace_section(path, section, begin, end, "# Benchmarks\n")
+
+
+def replace_section(path: Path, section: str, begin: str, end: str, new_file: str) -> None:
+    """Replace the text from ``begin`` to ``end`` in ``path`` by ``section`` (which carries
+    both markers), or append it; a missing file starts as ``new_file``."""
+    text = path.read_text() if path.exists() else new_file
     pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.DOTALL)
     if pattern.search(text):
         text = pattern.sub(lambda _: section, text, count=1)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import resource
 import time
@@ -17,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .worker import StepFn, _breakdown, _loss
+from .worker import StepFn, _breakdown, _loss, write_record
 from .workload import BUSY, RSS, build_model, make_batch
 
 __all__ = ["ASYNCPIPE", "PEERS", "SYSTEMS", "main", "stage_layers"]
@@ -157,12 +156,6 @@ def _torch_step(
     return step
 
 
-def _write(path: Path, record: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=1))
-    tmp.replace(path)
-
-
 def _max_rss_bytes() -> int:
     """The process's peak RSS so far (``ru_maxrss`` is in KiB on Linux)."""
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
@@ -184,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
     rank = int(os.environ["RANK"])
     out = Path(args.out) / f"rank{rank}.json"
     record: dict[str, Any] = {"rank": rank, "runs": [], "error": None, "failed_entry": None}
-    _write(out, record)
+    write_record(out, record)
     torch.set_num_threads(1)
     try:
         import asyncpipe
@@ -197,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
         RSS.enabled = args.memory
         for index, system, chunks in _entries(args.entries):
             record["failed_entry"] = index  # until this entry completes
-            _write(out, record)
+            write_record(out, record)
             model = build_model(args.f_ms, args.layers)
             x, y = make_batch(chunks, args.micro_batch, args.shape)
             if system in ASYNCPIPE:
@@ -238,14 +231,14 @@ def run(args: argparse.Namespace) -> int:
             run_record["max_rss_after"] = _max_rss_bytes()
             record["runs"].append(run_record)
             record["failed_entry"] = None
-            _write(out, record)
+            write_record(out, record)
             del step, model
             gc.collect()
         dist.barrier()
     except Exception as exc:  # reported to the launcher through the record and the log
         traceback.print_exc()
         record["error"] = f"{type(exc).__name__}: {exc}".strip()[:1000]
-        _write(out, record)
+        write_record(out, record)
         return 1
     finally:
         if dist.is_initialized():

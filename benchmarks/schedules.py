@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .gpipe import _load, _machine, _read_records, _revision
+from .gpipe import _load, _machine, _read_records, _revision, replace_section
 from .launch import LaunchResult, launch
 from .schedule_worker import ASYNCPIPE, PEERS, SYSTEMS
 from .workload import FEATURES, SHAPES, LayerCosts, calibrate_layer
@@ -779,14 +779,7 @@ def _breakdown_markdown(rows: list[Row]) -> str:
 
 def write_markdown(path: Path, section: str) -> None:
     """Replace the generated section of ``path``, or append it (creating the file)."""
-    text = path.read_text() if path.exists() else "---\norphan: true\n---\n\n# Schedules\n"
-    pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.DOTALL)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section, text, count=1)
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text if text.endswith("\n") else text + "\n")
+    replace_section(path, section, BEGIN, END, "# Schedule benchmarks\n")
 
 
 # ----- command line ------------------------------------------------------------------------

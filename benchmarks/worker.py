@@ -119,7 +119,8 @@ def _torch_step(
     return step
 
 
-def _write(path: Path, record: dict[str, Any]) -> None:
+def write_record(path: Path, record: dict[str, Any]) -> None:
+    """Write a rank's JSON record atomically (the launcher may read it at any time)."""
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(record, indent=1))
     tmp.replace(path)
@@ -135,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
         "error": None,
         "failed_chunks": None,
     }
-    _write(out, record)
+    write_record(out, record)
     torch.set_num_threads(1)
     try:
         if args.system == "asyncpipe":
@@ -173,14 +174,14 @@ def run(args: argparse.Namespace) -> int:
                             run_record.setdefault(key, []).append(value)
             record["runs"].append(run_record)
             record["failed_chunks"] = None
-            _write(out, record)
+            write_record(out, record)
             del step, model
             gc.collect()
         dist.barrier()
     except Exception as exc:  # reported to the launcher through the record and the log
         traceback.print_exc()
         record["error"] = f"{type(exc).__name__}: {exc}".strip()[:1000]
-        _write(out, record)
+        write_record(out, record)
         return 1
     finally:
         if dist.is_initialized():

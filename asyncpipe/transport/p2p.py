@@ -71,6 +71,11 @@ def layout(fields: int, specs: Sequence[Spec]) -> tuple[list[int], int]:
 def encode_header(message: Message, payload: Sequence[Tensor | None]) -> list[int]:
     """The header fields of ``message``: magic, field count, kind, micro-batch, micro-batches,
     total packed bytes, tensor count, then (dtype code, requires_grad, ndim, *shape) each."""
+    return _encode(message, payload)[0]
+
+
+def _encode(message: Message, payload: Sequence[Tensor | None]) -> tuple[list[int], list[int]]:
+    """The header fields and the byte offset of every tensor in the packed message."""
     specs: list[int] = []
     for tensor in payload:
         if tensor is None:
@@ -91,8 +96,8 @@ def encode_header(message: Message, payload: Sequence[Tensor | None]) -> list[in
         )
     fields = [_MAGIC, count, _PACKED, message.microbatch, message.microbatches, 0, len(payload)]
     fields += specs
-    fields[5] = layout(count, _specs(fields))[1]
-    return fields
+    offsets, fields[5] = layout(count, _specs(fields))
+    return fields, offsets
 
 
 def _specs(fields: Sequence[int]) -> list[Spec]:
@@ -249,13 +254,12 @@ class P2PTransport(Transport):
         if message.error is not None:  # the text rides in the header: one message
             self._isend(_error_header(message).view(torch.uint8).to(self.device), key, 2 * channel)
             return
-        payload = [None if t is None else t for t in message.tensors]
-        fields = encode_header(message, payload)
+        payload = list(message.tensors)
+        fields, offsets = _encode(message, payload)
         total = fields[5]
         if total <= self.capacity.get(key, HEADER_BYTES):
             buffer = torch.empty(total, dtype=torch.uint8, device=self.device)
             buffer[: 8 * len(fields)].view(torch.int64).copy_(torch.tensor(fields))
-            offsets, _ = layout(len(fields), _specs(fields))
             for tensor, offset in zip(payload, offsets):
                 if tensor is not None:
                     flat = tensor.detach().contiguous().view(-1).view(torch.uint8)
