@@ -17,6 +17,9 @@ from .microbatch import Tensors, as_tensors, gather, scatter
 from .partition import Partition, Segment, partition
 from .runtime import LossFn, Runtime, Work, unwrap
 from .schedule import Action, Kind, Plan
+from .skip.layer import Skippable
+from .skip.routes import SkipRoutes, skip_routes
+from .skip.verify import probe, verify_skippables
 from .transport import P2PTransport, Transport
 
 __all__: list[str] = []
@@ -58,6 +61,28 @@ class _GatherOutputs(torch.autograd.Function):
         ]
         pipe._backward_phase(per_mb)
         return (None, None, None) + (None,) * len(grads)
+
+
+def _skip_routes(layers: Sequence[nn.Module | LazyModule], segments: list[Segment]) -> SkipRoutes:
+    """Check the model's skip connections and find which cross between segments."""
+    views = [probe(layer, n) for n, layer in enumerate(layers)]
+    if not any(isinstance(v, Skippable) for v in views):
+        return SkipRoutes()
+    positions: dict[int, list[int]] = {}
+    for n, layer in enumerate(layers):
+        positions.setdefault(id(layer), []).append(n)
+    reused = [p for p in positions.values() if len(p) > 1 and isinstance(views[p[0]], Skippable)]
+    if reused:
+        raise ValueError(
+            f"a skippable layer may appear at one position only (positions {reused} reuse one); "
+            f"use separate instances, each with its own Namespace via .isolate(Namespace())"
+        )
+    verify_skippables(views)
+    segment_of = [0] * len(layers)
+    for segment in segments:
+        for invocation in segment.invocations:
+            segment_of[invocation.order] = segment.index
+    return skip_routes(views, segment_of)
 
 
 class AsyncPipe(nn.Module):
@@ -164,6 +189,7 @@ class AsyncPipe(nn.Module):
         self.num_stages = transport.world_size
         self.virtual_stages = virtual_stages
         partitions, segments = partition(layers, balance, transport.world_size)
+        routes = _skip_routes(layers, segments)
         self.partitions: list[Partition] = partitions
         self.segments: list[Segment] = segments
         mine = partitions[self.stage]
@@ -192,7 +218,9 @@ class AsyncPipe(nn.Module):
             transport,
             self.timeout,
             self.device,
+            routes,
         )
+        self.skip_routes = routes
         self._last_segment = len(segments) - 1
         self._first_rank = segments[0].stage
         self._last_rank = segments[-1].stage

@@ -17,6 +17,7 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -28,12 +29,16 @@ from .microbatch import Tensors, as_tensors
 from .recompute import RNGState, checkpointed
 from .schedule import Action, Kind, Plan, forward_only, lower, validate
 from .schedule.messages import misordered_pair, settle_points
+from .skip.namespace import SkipKey
+from .skip.routes import SkipRoutes
+from .skip.tracker import SkipTracker, use
 from .split import LayerRun, input_backward, run_cut, weight_backward
 from .transport import Message, PendingRecv, Transport
 
 __all__: list[str] = []
 
 Grads = tuple[Tensor | None, ...]
+Skips = dict[SkipKey, Tensor | None]
 LossFn = Callable[[object, object], Tensor]
 _KINDS = list(Kind)
 _OK, _FAILED, _RELAYED = 0.0, 1.0, 2.0
@@ -83,6 +88,13 @@ class Work:
     weights: dict[tuple[int, int], list[tuple[LayerRun, list[Tensor | None]]]] = field(
         default_factory=dict
     )
+    # Skips, by (segment, micro-batch): what arrived for it, the leaves its forward popped,
+    # what it stashed for others, the gradients of those, and the gradients it sends back.
+    skip_feed: dict[tuple[int, int], Skips] = field(default_factory=dict)
+    skip_saved: dict[tuple[int, int], Skips] = field(default_factory=dict)
+    skip_out: dict[tuple[int, int], Skips] = field(default_factory=dict)
+    skip_grads: dict[tuple[int, int], Skips] = field(default_factory=dict)
+    skip_back: dict[tuple[int, int], Skips] = field(default_factory=dict)
     loss_sum: float = 0.0
     live: int = 0
     peak: int = 0
@@ -133,6 +145,7 @@ class Runtime:
         transport: how messages travel.
         timeout: seconds any wait may take before it fails naming the peer.
         device: where this rank computes (for RNG state).
+        routes: the skip connections between segments.
     """
 
     def __init__(
@@ -144,8 +157,10 @@ class Runtime:
         transport: Transport,
         timeout: float,
         device: torch.device,
+        routes: SkipRoutes | None = None,
     ) -> None:
         self.rank, self.segments, self.owners = rank, segments, owners
+        self.routes = routes or SkipRoutes()
         self.plan_for = plan_for
         self.transport, self.timeout = transport, timeout
         self.device = device
@@ -172,7 +187,7 @@ class Runtime:
         (segment, micro-batch) pairs whose backward the plan splits into B and W."""
         key = (microbatches, train)
         if key not in self._plans:
-            plan = lower(self.plan_for(microbatches))
+            plan = lower(self.plan_for(microbatches), self.routes.edges())
             if not train:
                 plan = forward_only(plan)
             validate(plan)
@@ -191,22 +206,33 @@ class Runtime:
         return self._plans[key]
 
     def channel(self, action: Action) -> tuple[int, int]:
-        """(peer rank, channel) of a send or receive: channels are named by the receiving
-        segment and the direction, ``2 * segment`` for activations, ``2 * segment + 1`` for
-        gradients."""
+        """(peer rank, channel) of a send or receive: each (sending segment, receiving segment,
+        direction) has its own channel, ``2 * (receiver * segments + sender) + backward``."""
         assert action.peer is not None
-        receiver = action.peer if action.kind.is_send else action.stage
         backward = action.kind in (Kind.SEND_B, Kind.RECV_B)
-        return self.owners[action.peer], 2 * receiver + int(backward)
+        if action.kind.is_send:
+            sender, receiver = action.stage, action.peer
+        else:
+            sender, receiver = action.peer, action.stage
+        return self.owners[action.peer], self._channel(sender, receiver, backward)
+
+    def _channel(self, sender: int, receiver: int, backward: bool) -> int:
+        return 2 * (receiver * len(self.owners) + sender) + int(backward)
 
     def outgoing(self) -> set[tuple[int, int]]:
         """Every (peer rank, channel) that peers read from this rank."""
         out = set()
         for seg in self.segments:
-            if seg < self.last and self.owners[seg + 1] != self.rank:
-                out.add((self.owners[seg + 1], 2 * (seg + 1)))
-            if seg > 0 and self.owners[seg - 1] != self.rank:
-                out.add((self.owners[seg - 1], 2 * (seg - 1) + 1))
+            later = [seg + 1] if seg < self.last else []
+            earlier = [seg - 1] if seg > 0 else []
+            later += list(self.routes.outgoing.get(seg, {}))
+            earlier += list(self.routes.incoming.get(seg, {}))
+            for dest in later:
+                if self.owners[dest] != self.rank:
+                    out.add((self.owners[dest], self._channel(seg, dest, False)))
+            for source in earlier:
+                if self.owners[source] != self.rank:
+                    out.add((self.owners[source], self._channel(seg, source, True)))
         return out
 
     # ----- the step ----------------------------------------------------------------------
@@ -408,10 +434,22 @@ class Runtime:
                 f"different plans (same chunks and batch size on every rank?)"
             )
         key = (action.stage, action.microbatch)
+        assert action.peer is not None
+        tensors = message.tensors
         if action.kind is Kind.RECV_F:
-            work.feed[key] = tuple(t for t in message.tensors if t is not None)
+            keys = self.routes.incoming.get(action.stage, {}).get(action.peer, ())
+            if keys:
+                tensors, skips = tensors[: len(tensors) - len(keys)], tensors[-len(keys) :]
+                work.skip_feed.setdefault(key, {}).update(zip(keys, skips))
+            if action.peer == action.stage - 1:
+                work.feed[key] = tuple(t for t in tensors if t is not None)
         else:
-            work.grads[key] = message.tensors
+            keys = self.routes.outgoing.get(action.stage, {}).get(action.peer, ())
+            if keys:
+                tensors, skips = tensors[: len(tensors) - len(keys)], tensors[-len(keys) :]
+                work.skip_grads.setdefault(key, {}).update(zip(keys, skips))
+            if action.peer == action.stage + 1:
+                work.grads[key] = tensors
         for send in work.settle.get(action, ()):
             self.transport.settle(*self.channel(send), send.microbatch, self.timeout)
 
@@ -423,13 +461,25 @@ class Runtime:
             return leaves(work.feed.pop((seg, i)))
         return leaves(work.outputs[(seg - 1, i)])  # previous segment on this rank
 
-    def _compute(self, work: Work, seg: int, i: int, x: Tensors) -> Tensors:
+    def _skip_input(self, work: Work, seg: int, i: int) -> Skips:
+        """The skips that segment ``seg`` pops from other segments, as fresh leaves."""
+        arrived = work.skip_feed.pop((seg, i), {})
+        return {k: None if t is None else leaves((t,))[0] for k, t in arrived.items()}
+
+    def _compute(
+        self, work: Work, seg: int, i: int, x: Tensors, skips: Skips
+    ) -> tuple[Tensors, Skips]:
+        """Run segment ``seg`` on ``x``; return its outputs and the skips it stashed for other
+        segments."""
         value: object = unwrap(x)
-        if (seg, i) in work.split and torch.is_grad_enabled():
-            value, work.runs[(seg, i)] = run_cut(self.segments[seg], value)
-        else:
-            for layer in self.segments[seg]:
-                value = layer(value)
+        split = (seg, i) in work.split and torch.is_grad_enabled()
+        tracker = SkipTracker(skips, self.routes.crossing(seg), cut=split)
+        with use(tracker):
+            if split:
+                value, work.runs[(seg, i)] = run_cut(self.segments[seg], value, tracker)
+            else:
+                for layer in self.segments[seg]:
+                    value = layer(value)
         out = as_tensors(value, f"the output of stage {seg}")
         if seg == self.last and work.train and work.loss_fn is not None:
             target = None if work.targets is None else unwrap(work.targets[i])
@@ -441,35 +491,42 @@ class Runtime:
                     f"{type(loss).__name__}{shape})"
                 )
             work.losses[i] = loss
-        return out
+        return out, tracker.outgoing
 
     def forward(self, work: Work, action: Action) -> None:
         seg, i = action.stage, action.microbatch
         x = self._input(work, seg, i)
+        skips = self._skip_input(work, seg, i)
         if work.train:
             work.saved[(seg, i)] = x
+            work.skip_saved[(seg, i)] = skips
             work.live += 1
             work.peak = max(work.peak, work.live)
             if checkpointed(work.policy, i, work.microbatches):
                 work.rng[(seg, i)] = RNGState.save(self.device)
                 with torch.no_grad():
-                    out = self._compute(work, seg, i, x)
+                    out, stashed = self._compute(work, seg, i, x, skips)
                 # Announce the gradients the recomputed outputs will want.
-                if self._wants_grad(seg, x):
-                    out = tuple(
-                        t.detach().requires_grad_(True) if t.is_floating_point() else t for t in out
-                    )
+                if self._wants_grad(seg, x, skips):
+                    out = _announce(out)
+                    stashed = dict(zip(stashed, _announce(tuple(stashed.values()))))
             else:
-                out = self._compute(work, seg, i, x)
+                out, stashed = self._compute(work, seg, i, x, skips)
         else:
             with torch.no_grad():
-                out = self._compute(work, seg, i, x)
+                out, stashed = self._compute(work, seg, i, x, skips)
         work.outputs[(seg, i)] = out
+        work.skip_out[(seg, i)] = stashed
+        for dest, keys in self.routes.outgoing.get(seg, {}).items():
+            if self.owners[dest] == self.rank:  # hand over: no message
+                work.skip_feed.setdefault((dest, i), {}).update((k, stashed[k]) for k in keys)
         if i in work.losses and seg == self.last:
             work.loss_sum += float(work.losses[i].detach())
 
-    def _wants_grad(self, seg: int, x: Tensors) -> bool:
+    def _wants_grad(self, seg: int, x: Tensors, skips: Skips) -> bool:
         if any(t.requires_grad for t in x):
+            return True
+        if any(t is not None and t.requires_grad for t in skips.values()):
             return True
         params = (
             p
@@ -480,19 +537,28 @@ class Runtime:
         return any(p.requires_grad for p in params)
 
     def send_forward(self, work: Work, action: Action) -> None:
-        out = work.outputs[(action.stage, action.microbatch)]
+        seg, i = action.stage, action.microbatch
+        assert action.peer is not None
+        out: Grads = work.outputs[(seg, i)] if action.peer == seg + 1 else ()
+        keys = self.routes.outgoing.get(seg, {}).get(action.peer, ())
+        if keys:
+            stashed = work.skip_out[(seg, i)]
+            out = out + tuple(stashed[k] for k in keys)
         peer, channel = self.channel(action)
-        self.transport.send(peer, channel, Message(action.microbatch, work.microbatches, out))
+        self.transport.send(peer, channel, Message(i, work.microbatches, out))
 
     def backward(self, work: Work, action: Action) -> None:
         seg, i = action.stage, action.microbatch
         x = work.saved.pop((seg, i))
+        skips = work.skip_saved.pop((seg, i))
         out = work.outputs.pop((seg, i))
+        stashed = work.skip_out.pop((seg, i))
         rng = work.rng.pop((seg, i), None)
         if rng is not None:  # recompute; autograd may be running us with gradients off
             with rng.restored(), torch.enable_grad(), paused(self.segments[seg]):
-                out = self._compute(work, seg, i, x)
+                out, stashed = self._compute(work, seg, i, x, skips)
         split = (seg, i) in work.split
+        stash_grads = work.skip_grads.pop((seg, i), {})
         # The gradients of the outputs, and what to back-propagate from in a plain backward.
         roots: list[Tensor] = []
         grads: list[Tensor | None] = []
@@ -517,23 +583,56 @@ class Runtime:
                     grads.append(g)
         x_grads: list[Tensor | None]
         if split:
-            x_grads, work.weights[(seg, i)] = input_backward(work.runs.pop((seg, i)), given)
+            x_grads, work.weights[(seg, i)] = input_backward(
+                work.runs.pop((seg, i)), given, stash_grads
+            )
+            skip_grads = stash_grads  # now: the gradients of the skips popped here
         else:
+            for key, tensor in stashed.items():
+                g = stash_grads.get(key)
+                if g is not None and tensor is not None and tensor.requires_grad:
+                    roots.append(tensor)
+                    grads.append(g)
             if roots:
                 torch.autograd.backward(roots, grads)
             x_grads = [t.grad if t.requires_grad else None for t in x]
+            skip_grads = {
+                k: t.grad if t is not None and t.requires_grad else None for k, t in skips.items()
+            }
             work.live -= 1
         if seg > 0:
             work.grads[(seg - 1, i)] = tuple(x_grads)
+        for source, keys in self.routes.incoming.get(seg, {}).items():
+            back = {k: skip_grads.get(k) for k in keys}
+            if self.owners[source] == self.rank:  # hand back: no message
+                work.skip_grads.setdefault((source, i), {}).update(back)
+            else:
+                work.skip_back.setdefault((seg, i), {}).update(back)
 
     def weight(self, work: Work, action: Action) -> None:
         weight_backward(work.weights.pop((action.stage, action.microbatch)))
         work.live -= 1
 
     def send_backward(self, work: Work, action: Action) -> None:
-        grads = work.grads.pop((action.stage - 1, action.microbatch))
+        seg, i = action.stage, action.microbatch
+        assert action.peer is not None
+        grads: Grads = work.grads.pop((seg - 1, i)) if action.peer == seg - 1 else ()
+        keys = self.routes.incoming.get(seg, {}).get(action.peer, ())
+        if keys:
+            back = work.skip_back.get((seg, i), {})
+            grads = grads + tuple(back.pop(k) for k in keys)
+            if not back:
+                work.skip_back.pop((seg, i), None)
         peer, channel = self.channel(action)
-        self.transport.send(peer, channel, Message(action.microbatch, work.microbatches, grads))
+        self.transport.send(peer, channel, Message(i, work.microbatches, grads))
+
+
+def _announce(tensors: Sequence[Tensor | None]) -> tuple[Any, ...]:
+    """Detached floating-point tensors that ask for gradients (others as they are)."""
+    return tuple(
+        t.detach().requires_grad_(True) if t is not None and t.is_floating_point() else t
+        for t in tensors
+    )
 
 
 class _Ready(PendingRecv):

@@ -15,10 +15,13 @@ input work; a custom autograd function that always computes both does its work t
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
+
+from .skip.namespace import SkipKey
+from .skip.tracker import SkipTracker
 
 __all__: list[str] = []
 
@@ -51,21 +54,43 @@ def cut(value: object) -> tuple[object, list[Tensor]]:
 
 @dataclass
 class LayerRun:
-    """One layer's call: its module, input leaves and outputs."""
+    """One layer's call: its module, input leaves and outputs.
+
+    Skip tensors join the ends of the lists: ``inputs`` ends with the leaves the layer popped
+    (keys in ``pops``) and ``outputs`` with the tensors it stashed (keys in ``stashes``).
+    """
 
     layer: object
     inputs: list[Tensor]
     outputs: list[Tensor]
+    pops: list[SkipKey] = field(default_factory=list)
+    stashes: list[SkipKey] = field(default_factory=list)
 
 
-def run_cut(layers: Sequence[object], value: object) -> tuple[object, list[LayerRun]]:
-    """Run ``layers`` in order, each on fresh leaves of its input; keep every call's tensors."""
+def run_cut(
+    layers: Sequence[object], value: object, tracker: SkipTracker | None = None
+) -> tuple[object, list[LayerRun]]:
+    """Run ``layers`` in order, each on fresh leaves of its input; keep every call's tensors.
+
+    With a ``tracker`` in cut mode, what each layer pops and stashes is kept with its call.
+    """
     runs = []
     for layer in layers:
         value, inputs = cut(value)
         assert callable(layer)
         value = layer(value)
-        runs.append(LayerRun(layer, inputs, flatten(value)))
+        run = LayerRun(layer, inputs, flatten(value))
+        if tracker is not None:
+            stashed, popped = tracker.take_log()
+            for key, tensor in popped:
+                if tensor is not None:
+                    run.inputs.append(tensor)
+                    run.pops.append(key)
+            for key, tensor in stashed:
+                if tensor is not None:
+                    run.outputs.append(tensor)
+                    run.stashes.append(key)
+        runs.append(run)
     return value, runs
 
 
@@ -76,16 +101,26 @@ def _pairs(
 
 
 def input_backward(
-    runs: list[LayerRun], output_grads: Sequence[Tensor | None]
+    runs: list[LayerRun],
+    output_grads: Sequence[Tensor | None],
+    skip_grads: dict[SkipKey, Tensor | None] | None = None,
 ) -> tuple[list[Tensor | None], list[tuple[LayerRun, list[Tensor | None]]]]:
     """B: gradients of the segment's input from those of its output, layer by layer.
+
+    ``skip_grads`` holds the gradients of the skips the segment stashes for other segments; on
+    return it holds those of the skips the segment popped from other segments.
 
     Returns the input gradients (aligned with the first layer's input tensors) and, for W, each
     layer with the gradients of its outputs.
     """
+    skips = {} if skip_grads is None else skip_grads
     grads: list[Tensor | None] = list(output_grads)
     pending = []
     for run in reversed(runs):
+        main = len(run.outputs) - len(run.stashes)
+        grads = (
+            grads[:main] + [None] * (main - len(grads)) + [skips.pop(k, None) for k in run.stashes]
+        )
         pending.append((run, grads))
         pairs = _pairs(run.outputs, grads)
         wanted = [t for t in run.inputs if t.requires_grad]
@@ -100,6 +135,10 @@ def input_backward(
             )
             found = {id(t): g for t, g in zip(wanted, result)}
         grads = [found.get(id(t)) for t in run.inputs]
+        first_pop = len(run.inputs) - len(run.pops)
+        for key, grad in zip(run.pops, grads[first_pop:]):
+            skips[key] = grad
+        grads = grads[:first_pop]
     return grads, pending
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from .action import Action, Kind, Plan
 
 __all__: list[str] = []
@@ -29,9 +31,14 @@ def stage_owners(plan: Plan) -> dict[int, int]:
     return owners
 
 
-def lower(plan: Plan) -> Plan:
+def lower(plan: Plan, skips: Iterable[tuple[int, int]] = ()) -> Plan:
     """Insert a RECV before and a SEND after each compute action whose neighbour stage is on
     another rank. Neighbour stages on the same rank hand tensors over without a message.
+
+    ``skips`` adds edges between stages that are not neighbours, as ``(source, dest)`` pairs
+    with ``source < dest`` (skip connections): the forward of ``dest`` also receives from
+    ``source`` and the backward of ``source`` also receives from ``dest``. An edge between
+    neighbours travels in the neighbours' one message.
 
     Example:
         >>> from asyncpipe.schedule import gpipe, lower, format_plan
@@ -41,6 +48,17 @@ def lower(plan: Plan) -> Plan:
     """
     owners = stage_owners(plan)
     last = max(owners) if owners else -1
+    before: dict[int, list[int]] = {s: [s - 1] if s > 0 else [] for s in owners}
+    after: dict[int, list[int]] = {s: [s + 1] if s < last else [] for s in owners}
+    for source, dest in sorted(set(skips)):
+        if not 0 <= source < dest <= last:
+            raise ValueError(
+                f"a skip edge goes from an earlier stage to a later one within 0..{last} "
+                f"(got {source} -> {dest})"
+            )
+        if dest not in after[source]:
+            after[source].append(dest)
+            before[dest].append(source)
     lowered: Plan = {}
     for rank in sorted(plan):
         row: list[Action | None] = []
@@ -49,20 +67,16 @@ def lower(plan: Plan) -> Plan:
                 row.append(action)
                 continue
             s, i = action.stage, action.microbatch
-            prev_remote = s > 0 and owners.get(s - 1, rank) != rank
-            next_remote = s < last and owners.get(s + 1, rank) != rank
+            sources = [p for p in before.get(s, []) if owners.get(p, rank) != rank]
+            dests = [p for p in after.get(s, []) if owners.get(p, rank) != rank]
             if action.kind is Kind.FORWARD:
-                if prev_remote:
-                    row.append(Action(s, Kind.RECV_F, i, s - 1))
+                row.extend(Action(s, Kind.RECV_F, i, p) for p in sources)
                 row.append(action)
-                if next_remote:
-                    row.append(Action(s, Kind.SEND_F, i, s + 1))
+                row.extend(Action(s, Kind.SEND_F, i, p) for p in dests)
             elif action.kind is Kind.BACKWARD:
-                if next_remote:
-                    row.append(Action(s, Kind.RECV_B, i, s + 1))
+                row.extend(Action(s, Kind.RECV_B, i, p) for p in dests)
                 row.append(action)
-                if prev_remote:
-                    row.append(Action(s, Kind.SEND_B, i, s - 1))
+                row.extend(Action(s, Kind.SEND_B, i, p) for p in sources)
             else:
                 row.append(action)
         lowered[rank] = row

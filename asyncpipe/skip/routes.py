@@ -1,0 +1,66 @@
+"""Skip routes: which segment stashes each skip, which pops it, and what crosses between them.
+
+A stash and its pop in one segment stay inside that segment's autograd graph and cost nothing.
+A skip between two segments travels directly from one to the other (never through the
+segments in between): by message when the segments are on different ranks, by hand-over when
+they share one. Its gradient travels back along the same edge::
+
+    segment 0 ──F: activations──> segment 1 ──F──> segment 2
+        └──────────── F: skip 'x' (one message per micro-batch) ──────┘
+        ┌──────────── B: gradient of 'x' ─────────────────────────────┘
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .namespace import SkipKey
+from .verify import declarations
+
+__all__: list[str] = []
+
+
+@dataclass(frozen=True)
+class SkipRoutes:
+    """Per segment: the skips it sends to and takes from other segments.
+
+    ``outgoing[s][t]`` lists (in a fixed order) the keys stashed in segment ``s`` and popped in
+    segment ``t != s``; ``incoming[t][s]`` is the same list seen from ``t``.
+    """
+
+    outgoing: dict[int, dict[int, tuple[SkipKey, ...]]] = field(default_factory=dict)
+    incoming: dict[int, dict[int, tuple[SkipKey, ...]]] = field(default_factory=dict)
+
+    def crossing(self, segment: int) -> frozenset[SkipKey]:
+        """The keys stashed in ``segment`` that other segments pop."""
+        return frozenset(k for keys in self.outgoing.get(segment, {}).values() for k in keys)
+
+    def edges(self) -> set[tuple[int, int]]:
+        """Every (stashing segment, popping segment) pair with at least one skip."""
+        return {(s, t) for s, out in self.outgoing.items() for t in out}
+
+    def __bool__(self) -> bool:
+        return bool(self.outgoing)
+
+
+def skip_routes(layers: Sequence[object], segment_of: Sequence[int]) -> SkipRoutes:
+    """The routes of the skips of ``layers`` (in call order) where position ``p`` runs in
+    segment ``segment_of[p]``. Assumes the skips passed :func:`verify_skippables`."""
+    stashed_at: dict[SkipKey, int] = {}
+    pairs: dict[tuple[int, int], list[SkipKey]] = {}
+    for position, layer in enumerate(layers):
+        stashes, pops = declarations(layer)
+        for key in pops:
+            source = segment_of[stashed_at[key]]
+            if source != segment_of[position]:
+                pairs.setdefault((source, segment_of[position]), []).append(key)
+        for key in stashes:
+            stashed_at[key] = position
+    routes = SkipRoutes()
+    for (s, t), keys in sorted(pairs.items()):
+        # The same order on every rank: by the position of the stash, then by name.
+        ordered = tuple(sorted(keys, key=lambda k: (stashed_at[k], k[1])))
+        routes.outgoing.setdefault(s, {})[t] = ordered
+        routes.incoming.setdefault(t, {})[s] = ordered
+    return routes

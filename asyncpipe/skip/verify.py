@@ -1,0 +1,120 @@
+"""``verify_skippables``: check that every stash of a model is popped later, and vice versa."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import nn
+
+from ..lazy import LazyModule
+from .layer import Skippable
+from .namespace import SkipKey, describe
+
+__all__: list[str] = []
+
+
+def declarations(layer: object) -> tuple[list[SkipKey], list[SkipKey]]:
+    """The skip keys a layer stashes and pops (none for a layer that is not skippable)."""
+    if isinstance(layer, Skippable):
+        return layer.stash_keys(), layer.pop_keys()
+    return [], []
+
+
+def probe(layer: object, position: int) -> object:
+    """The layer whose skip declarations count for ``layer``: itself, or for a LazyModule that
+    is not built, a copy built on the meta device (no memory, no random numbers drawn)."""
+    if not isinstance(layer, LazyModule):
+        return layer
+    if layer.built:
+        return layer.build()
+    try:
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # e.g. loading weights into meta tensors is a no-op
+            return layer.function()
+    except Exception as e:
+        raise ValueError(
+            f"cannot read the skip declarations of the LazyModule at position {position}: "
+            f"building it on the meta device failed ({type(e).__name__}: {e}); pass that layer "
+            f"as a module instead (a layer list may mix modules and LazyModules)"
+        ) from e
+
+
+def problems(layers: Sequence[object]) -> list[str]:
+    """Every problem with the stashes and pops of ``layers`` (in call order), each with a fix."""
+    found: list[str] = []
+    stashed: dict[SkipKey, int] = {}
+    popped: dict[SkipKey, int] = {}
+
+    def name(position: int) -> str:
+        return f"layer {position} ({type(layers[position]).__name__})"
+
+    for position, layer in enumerate(layers):
+        stashes, pops = declarations(layer)
+        for key in pops:
+            if key in popped:
+                found.append(
+                    f"{name(position)} pops {describe(key)}, which {name(popped[key])} pops "
+                    f"already; each stash is popped once: isolate one pair with a new Namespace"
+                )
+            elif key not in stashed:
+                later = [
+                    p for p in range(position + 1, len(layers)) if key in declarations(layers[p])[0]
+                ]
+                fix = (
+                    f"move it after {name(later[0])}, which stashes it"
+                    if later
+                    else "add a layer that stashes it, or remove the pop"
+                )
+                found.append(f"{name(position)} pops {describe(key)} before any stash; {fix}")
+            else:
+                popped[key] = position
+        for key in stashes:
+            if key in stashed:
+                found.append(
+                    f"{name(position)} stashes {describe(key)}, which {name(stashed[key])} "
+                    f"stashes already; give each copy its own namespace with "
+                    f".isolate(asyncpipe.skip.Namespace())"
+                )
+            stashed.setdefault(key, position)
+    for key, position in stashed.items():
+        if key not in popped:
+            found.append(
+                f"{name(position)} stashes {describe(key)} but no later layer pops it; add a layer "
+                f"that pops it, or remove the stash (a stash nobody pops would leak its tensor)"
+            )
+    return found
+
+
+def verify_skippables(module: nn.Sequential | Iterable[object]) -> None:
+    """Check the skip connections of a model, listing every problem at once.
+
+    Rules: every stashed name is popped by exactly one later layer; every popped name was
+    stashed by exactly one earlier layer; names are scoped by namespaces
+    (:meth:`~asyncpipe.skip.layer.Skippable.isolate`).
+
+    Raises:
+        TypeError: naming each problem and how to fix it.
+
+    Example:
+        >>> import torch
+        >>> from asyncpipe.skip import pop, skippable, stash
+        >>> @skippable(pop=["x"])
+        ... class Add(torch.nn.Module):
+        ...     def forward(self, input):
+        ...         return input + (yield pop("x"))
+        >>> verify_skippables(torch.nn.Sequential(Add()))
+        Traceback (most recent call last):
+        ...
+        TypeError: the skip connections of this model have 1 problem:
+          - layer 0 (Add) pops 'x' before any stash; add a layer that stashes it, or remove the pop
+    """
+    layers = list(module)
+    found = problems(layers)
+    if found:
+        count = f"{len(found)} problem{'s' if len(found) > 1 else ''}"
+        raise TypeError(
+            f"the skip connections of this model have {count}:\n"
+            + "\n".join(f"  - {p}" for p in found)
+        )
