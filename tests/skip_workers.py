@@ -1,0 +1,73 @@
+"""Worker functions for the multi-process skip tests (run in spawned processes)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from gloo_workers import _diff
+from models import reference
+from skip_models import crossing, three
+from torch import nn
+
+from asyncpipe import AsyncPipe
+
+mse = nn.functional.mse_loss
+
+
+def _model(name: str) -> nn.Sequential:
+    if name == "three":
+        return three(seed=1)
+    if name == "crossing":
+        return crossing(seed=2)
+    model = crossing(seed=3)  # six layers, for two model chunks on each of three ranks
+    model.append(nn.Linear(8, 8))
+    return model
+
+
+def skips(
+    rank: int, world: int, cases: list[tuple[str, list[int], str, str, int]]
+) -> dict[str, tuple[float, float]]:
+    """Loss and gradient errors against the plain model for (model, balance, schedule,
+    policy, chunks) cases."""
+    out = {}
+    for name, balance, schedule, policy, chunks in cases:
+        model = _model(name)
+        torch.manual_seed(11)
+        x, y = torch.randn(12, 8), torch.randn(12, 8)
+        want_loss, grads = reference(model, x, y, chunks, mse)
+        pipe = AsyncPipe(
+            model,
+            balance,
+            chunks=chunks,
+            checkpoint=policy,
+            schedule=schedule,
+            virtual_stages=len(balance) // world,
+            timeout=30,
+        )
+        first, last = pipe.is_first_stage, pipe.is_last_stage
+        loss = pipe.step(x if first else None, y if last else None, mse)
+        key = f"{name}-{balance}-{schedule}-{policy}-{chunks}"
+        out[key] = (abs(loss - want_loss), _diff(pipe, dict(enumerate(grads)), model))
+    return out
+
+
+def skips_forward(rank: int, world: int) -> Any:
+    """fairscale-style pipe(x) + back_helper, and inference, with skips across processes."""
+    model = crossing(seed=4)
+    torch.manual_seed(12)
+    x, y = torch.randn(6, 8), torch.randn(6, 8)
+    want_loss, grads = reference(model, x, y, 1, mse)
+    pipe = AsyncPipe(model, [2, 1, 2], chunks=3, timeout=30)
+    out = pipe(x if pipe.is_first_stage else None)
+    if pipe.is_last_stage:
+        # the gathered output is the whole batch, so one loss on it matches chunks=1
+        mse(out, y).backward()
+    else:
+        pipe.back_helper(out)
+    error = _diff(pipe, dict(enumerate(grads)), model)
+    with torch.no_grad():
+        inferred = pipe(x if pipe.is_first_stage else None)
+        want = model(x)
+    inference_error = float((inferred - want).abs().max()) if pipe.is_last_stage else 0.0
+    return error, inference_error
