@@ -28,3 +28,21 @@ def test_train_lm_runs_under_torchrun() -> None:
     losses = [float(v) for v in re.findall(r"step +\d+/\d+ +loss (\d+\.\d+)", result.stdout)]
     assert len(losses) >= 2 and losses[-1] < losses[0], result.stdout
     assert "idle" in result.stdout
+
+
+@pytest.mark.slow
+def test_train_resnet_with_skips_and_deferred_batch_norm() -> None:
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
+        "--master-addr=127.0.0.1", f"--master-port={free_port()}",
+        str(ROOT / "examples" / "train_resnet.py"),
+        "--epochs", "2", "--train", "1536", "--test", "256", "--width", "8",
+    ]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    result = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    assert "skips crossing stages (from stage, to stage): [(0, 1)]" in result.stdout
+    losses = [float(v) for v in re.findall(r"epoch \d+/\d+ +loss (\d+\.\d+)", result.stdout)]
+    assert len(losses) == 2 and losses[1] < losses[0], result.stdout
+    accuracy = float(re.findall(r"test accuracy (\d\.\d+)", result.stdout)[0])
+    assert accuracy > 0.5, result.stdout  # four classes: chance is 0.25
