@@ -38,3 +38,27 @@ def reference(
 
 def grads_of(params: Sequence[nn.Parameter]) -> list[Tensor]:
     return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params]
+
+
+def bn_reference(
+    model: nn.Module, x: Tensor, y: Tensor, chunks: int, steps: int
+) -> tuple[list[Tensor], dict[str, Tensor]]:
+    """Gradients of per-micro-batch normalisation, and the running statistics a plain BatchNorm
+    gets when run once per step on all the inputs its layer saw in that step."""
+    per_chunk, whole = copy.deepcopy(model), copy.deepcopy(model)
+    norms = {n: m for n, m in per_chunk.named_modules() if isinstance(m, nn.BatchNorm1d)}
+    seen: dict[str, list[Tensor]] = {n: [] for n in norms}
+    for name, norm in norms.items():
+        norm.register_forward_pre_hook(lambda m, a, name=name: seen[name].append(a[0].detach()))
+    pieces = list(zip(x.chunk(chunks), y.chunk(chunks)))
+    for _ in range(steps):
+        per_chunk.zero_grad()
+        for px, py in pieces:
+            (nn.functional.mse_loss(per_chunk(px), py) / len(pieces)).backward()
+        with torch.no_grad():
+            for name in norms:
+                whole.get_submodule(name)(torch.cat(seen[name]))
+                seen[name].clear()
+    grads = [p.grad.clone() for p in per_chunk.parameters()]
+    stats = {k: v.clone() for k, v in whole.state_dict().items() if "running" in k or "num" in k}
+    return grads, stats

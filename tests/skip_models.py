@@ -116,3 +116,14 @@ def isolated(seed: int = 0) -> nn.Sequential:
         nn.Sequential(nn.Linear(8, 8), nn.Tanh()),
         PopAdd().isolate(outer),
     )
+
+
+def with_batch_norm(seed: int = 0) -> nn.Sequential:
+    """A skip that crosses BatchNorm layers: stash at 0, pop at 3, BatchNorm at 1 and 2."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        Stash(),
+        nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Tanh()),
+        nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8, momentum=None)),
+        PopAdd(),
+    )

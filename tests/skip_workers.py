@@ -6,8 +6,8 @@ from typing import Any
 
 import torch
 from gloo_workers import _diff
-from models import reference
-from skip_models import crossing, three
+from models import bn_reference, reference
+from skip_models import crossing, three, with_batch_norm
 from torch import nn
 
 from asyncpipe import AsyncPipe
@@ -71,3 +71,25 @@ def skips_forward(rank: int, world: int) -> Any:
         want = model(x)
     inference_error = float((inferred - want).abs().max()) if pipe.is_last_stage else 0.0
     return error, inference_error
+
+
+def skips_batch_norm(rank: int, world: int, schedule: str) -> tuple[float, float]:
+    """Largest gradient and running-statistics errors of a model whose skip crosses deferred
+    BatchNorm layers and stages, against the reference."""
+    model = with_batch_norm(seed=5)
+    torch.manual_seed(13)
+    x, y = torch.randn(12, 8), torch.randn(12, 8)
+    want_grads, want_stats = bn_reference(model, x, y, 4, steps=2)
+    pipe = AsyncPipe(
+        model, [2, 2], chunks=4, schedule=schedule, deferred_batch_norm=True, timeout=30
+    )
+    for _ in range(2):
+        pipe.zero_grad()
+        pipe.step(x if pipe.is_first_stage else None, y if pipe.is_last_stage else None, mse)
+    grad_error = _diff(pipe, dict(enumerate(want_grads)), model)
+    state = model.state_dict()
+    mine = {f"{n}." for n in range(2 * rank, 2 * rank + 2)}
+    stat_error = max(
+        float((state[k] - v).abs().max()) for k, v in want_stats.items() if k[:2] in mine
+    )
+    return grad_error, stat_error

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+from models import bn_reference as reference
 from threads import run_threads, values
 from torch import nn
 
@@ -23,28 +24,6 @@ def bn_model(seed: int = 0) -> nn.Sequential:
         nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8, momentum=None)), nn.Tanh(),
         nn.Linear(8, 8),
     )  # fmt: skip
-
-
-def reference(model: nn.Module, x: torch.Tensor, y: torch.Tensor, chunks: int, steps: int) -> Any:
-    """Gradients of per-micro-batch normalisation, and the running statistics a plain BatchNorm
-    gets when run once per step on all the inputs its layer saw in that step."""
-    per_chunk, whole = copy.deepcopy(model), copy.deepcopy(model)
-    norms = {n: m for n, m in per_chunk.named_modules() if isinstance(m, nn.BatchNorm1d)}
-    seen: dict[str, list[torch.Tensor]] = {n: [] for n in norms}
-    for name, norm in norms.items():
-        norm.register_forward_pre_hook(lambda m, a, name=name: seen[name].append(a[0].detach()))
-    pieces = list(zip(x.chunk(chunks), y.chunk(chunks)))
-    for _ in range(steps):
-        per_chunk.zero_grad()
-        for px, py in pieces:
-            (mse(per_chunk(px), py) / len(pieces)).backward()
-        with torch.no_grad():
-            for name in norms:
-                whole.get_submodule(name)(torch.cat(seen[name]))
-                seen[name].clear()
-    grads = [p.grad.clone() for p in per_chunk.parameters()]
-    stats = {k: v.clone() for k, v in whole.state_dict().items() if "running" in k or "num" in k}
-    return grads, stats
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero_bubble"])

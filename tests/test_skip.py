@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import skip_models
 import torch
-from models import grads_of, reference
-from skip_models import PopAdd, Stash, crossing, isolated, three
+from models import bn_reference, grads_of, reference
+from skip_models import PopAdd, Stash, crossing, isolated, three, with_batch_norm
 from threads import run_threads, values
 from torch import nn
 
@@ -265,3 +265,35 @@ def test_inference_with_skips() -> None:
     out = values(run_threads(fn, 3))[2]
     with torch.no_grad():
         torch.testing.assert_close(out, model(x))
+
+
+@pytest.mark.parametrize(
+    "schedule,virtual,world", [("interleaved", 2, 2), ("zero_bubble", 1, 4), ("1f1b", 1, 2)]
+)
+@pytest.mark.parametrize("policy", ["always", "never"])
+def test_skips_with_deferred_batch_norm(
+    schedule: str, virtual: int, world: int, policy: str
+) -> None:
+    model = with_batch_norm()
+    torch.manual_seed(2)
+    x, y = torch.randn(12, 8), torch.randn(12, 8)
+    want_grads, want_stats = bn_reference(model, x, y, 4, steps=2)
+    balance = [1, 1, 1, 1] if world * virtual == 4 else [2, 2]
+
+    def fn(rank: int, transport: Transport) -> AsyncPipe:
+        pipe = AsyncPipe(
+            model, balance, chunks=4, checkpoint=policy, schedule=schedule,
+            virtual_stages=virtual, deferred_batch_norm=True, transport=transport, timeout=10,
+        )  # fmt: skip
+        for _ in range(2):
+            pipe.zero_grad()
+            pipe.step(x, y, mse)
+        return pipe
+
+    pipes = values(run_threads(fn, world))
+    grads = {id(p): p.grad for pipe in pipes for p in pipe.parameters()}
+    for p, want in zip(model.parameters(), want_grads):
+        torch.testing.assert_close(grads[id(p)], want)
+    state = model.state_dict()  # the pipes hold the caller's layers, converted in place
+    for key, value in want_stats.items():
+        torch.testing.assert_close(state[key], value, msg=key)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from skip_workers import skips, skips_forward
+from skip_workers import skips, skips_batch_norm, skips_forward
 from spawn import run_ranks
 
 pytestmark = pytest.mark.slow
@@ -44,3 +44,9 @@ def test_three_processes_every_schedule_and_policy() -> None:
 def test_forward_back_helper_and_inference_with_skips() -> None:
     for grad_error, inference_error in run_ranks(skips_forward, 3, timeout=120):
         assert grad_error < 1e-5 and inference_error < 1e-5
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_skip_across_deferred_batch_norm(schedule: str) -> None:
+    for grad_error, stat_error in run_ranks(skips_batch_norm, 2, schedule, timeout=120):
+        assert grad_error < 1e-5 and stat_error < 1e-5, (grad_error, stat_error)
