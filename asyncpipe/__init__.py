@@ -10,7 +10,7 @@ Example:
 from . import partition, schedule, transport
 from .batchnorm import DeferredBatchNorm
 from .failure import StageFailure, StepReport
-from .group import init
+from .group import init, shutdown
 from .lazy import LazyModule
 from .pipe import AsyncPipe
 
@@ -23,6 +23,7 @@ __all__ = [
     "StageFailure",
     "StepReport",
     "init",
+    "shutdown",
     "partition",
     "schedule",
     "transport",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -13,16 +14,25 @@ __all__: list[str] = []
 _TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def init(backend: str | None = None, timeout: float | datetime.timedelta = 300.0) -> None:
-    """Set up the default process group from torchrun's environment.
+def init(
+    backend: str | None = None,
+    timeout: float | datetime.timedelta = 300.0,
+    *,
+    rpc: bool = False,
+    worker_map: Mapping[int, str] | None = None,
+) -> None:
+    """Set up the default process group from torchrun's environment, and RPC if asked.
 
-    Harmless when the process group already exists (it is left as it is). The backend is
-    NCCL when CUDA is available, else gloo; with NCCL the current CUDA device is set to
+    Harmless when the process group (or RPC) already exists (it is left as it is). The backend
+    is NCCL when CUDA is available, else gloo; with NCCL the current CUDA device is set to
     ``LOCAL_RANK``.
 
     Args:
         backend: ``"gloo"``, ``"nccl"`` or ``None`` to choose as above.
-        timeout: seconds (or a timedelta) collective operations may wait.
+        timeout: seconds (or a timedelta) collective operations and RPCs may wait.
+        rpc: also start ``torch.distributed.rpc`` (TensorPipe) for ``transport="rpc"`` and
+            :mod:`asyncpipe.rpc`; with CUDA, device maps let tensors go GPU to GPU.
+        worker_map: RPC worker name of each rank (default ``"worker{rank}"``).
 
     Raises:
         RuntimeError: if the process was not started by torchrun (the variables are missing).
@@ -31,8 +41,13 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta = 300.0
         >>> import asyncpipe
         >>> asyncpipe.init()  # doctest: +SKIP
     """
-    if dist.is_initialized():
-        return
+    if not dist.is_initialized():
+        _init_group(backend, timeout)
+    if rpc:
+        _init_rpc(timeout, worker_map)
+
+
+def _init_group(backend: str | None, timeout: float | datetime.timedelta) -> None:
     missing = [name for name in _TORCHRUN_VARIABLES if name not in os.environ]
     if missing:
         raise RuntimeError(
@@ -47,3 +62,46 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta = 300.0
     if not isinstance(timeout, datetime.timedelta):
         timeout = datetime.timedelta(seconds=float(timeout))
     dist.init_process_group(backend=backend, timeout=timeout)
+
+
+def _init_rpc(timeout: float | datetime.timedelta, worker_map: Mapping[int, str] | None) -> None:
+    from torch.distributed import rpc as torch_rpc
+
+    from .transport.rpc import device_maps
+
+    try:
+        torch_rpc.get_worker_info()
+        return  # already running
+    except RuntimeError:
+        pass
+    rank, world = dist.get_rank(), dist.get_world_size()
+    names = {r: (worker_map or {}).get(r, f"worker{r}") for r in range(world)}
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+    options = torch_rpc.TensorPipeRpcBackendOptions(rpc_timeout=float(seconds))
+    if torch.cuda.is_available() and dist.get_backend() == "nccl":
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(torch.cuda.device_count())))
+        for worker, mapping in device_maps(rank, world, local_world, names).items():
+            options.set_device_map(worker, dict(mapping.items()))
+    torch_rpc.init_rpc(  # type: ignore[no-untyped-call]
+        names[rank], rank=rank, world_size=world, rpc_backend_options=options
+    )
+
+
+def shutdown() -> None:
+    """End RPC (waiting for every worker to get there) and the default process group.
+
+    Example:
+        >>> asyncpipe.shutdown()  # doctest: +SKIP
+    """
+    from torch.distributed import rpc as torch_rpc
+
+    try:
+        torch_rpc.get_worker_info()
+        running = True
+    except RuntimeError:
+        running = False
+    if running:
+        torch_rpc.shutdown()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -20,7 +20,7 @@ from .schedule import Action, Kind, Plan
 from .skip.layer import Skippable
 from .skip.routes import SkipRoutes, skip_routes
 from .skip.verify import probe, verify_skippables
-from .transport import P2PTransport, Transport
+from .transport import P2PTransport, RPCTransport, Transport
 
 __all__: list[str] = []
 
@@ -61,6 +61,16 @@ class _GatherOutputs(torch.autograd.Function):
         ]
         pipe._backward_phase(per_mb)
         return (None, None, None) + (None,) * len(grads)
+
+
+def _rpc_running() -> bool:
+    from torch.distributed import rpc
+
+    try:
+        rpc.get_worker_info()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _skip_routes(layers: Sequence[nn.Module | LazyModule], segments: list[Segment]) -> SkipRoutes:
@@ -144,19 +154,26 @@ class AsyncPipe(nn.Module):
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             problems.append(f"timeout must be a positive number of seconds (got {timeout!r})")
         if isinstance(transport, str):
-            if transport != "p2p":
+            if transport not in ("p2p", "rpc"):
                 problems.append(
-                    f"transport must be 'p2p' or a Transport object (got {transport!r})"
+                    f"transport must be 'p2p', 'rpc' or a Transport object (got {transport!r})"
                 )
             elif not dist.is_initialized():
                 problems.append(
-                    "the p2p transport needs torch.distributed: call asyncpipe.init() first and "
-                    "launch with torchrun, e.g. torchrun --standalone --nproc-per-node="
-                    f"{len(balance)} train.py"
+                    f"the {transport} transport needs torch.distributed: call asyncpipe.init("
+                    f"{'rpc=True' if transport == 'rpc' else ''}) first and launch with "
+                    f"torchrun, e.g. torchrun --standalone --nproc-per-node={len(balance)} "
+                    f"train.py"
+                )
+            elif transport == "rpc" and not _rpc_running():
+                problems.append(
+                    "the rpc transport needs torch.distributed.rpc: call "
+                    "asyncpipe.init(rpc=True) first"
                 )
         elif not isinstance(transport, Transport):
             problems.append(
-                f"transport must be 'p2p' or a Transport object (got {type(transport).__name__})"
+                f"transport must be 'p2p', 'rpc' or a Transport object (got "
+                f"{type(transport).__name__})"
             )
         if problems:
             raise ValueError("; ".join(problems))
@@ -164,7 +181,9 @@ class AsyncPipe(nn.Module):
             use_cuda = dist.is_initialized() and dist.get_backend() == "nccl"
             device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else None
         self.device = torch.device(device) if device is not None else torch.device("cpu")
-        if isinstance(transport, str):
+        if transport == "rpc":
+            transport = RPCTransport()
+        elif isinstance(transport, str):
             transport = P2PTransport(device=self.device)
         ranks = len(balance) // virtual_stages
         if transport.world_size * virtual_stages != len(balance):

@@ -33,6 +33,7 @@ def transparency(
     schedules: tuple[str, ...] = ("gpipe",),
     policies: tuple[str, ...] = ("always", "except_last", "never"),
     rows: int = 10,
+    transport: str = "p2p",
 ) -> Any:
     """Loss and gradient errors against the plain model for every combination given."""
     out = {}
@@ -53,6 +54,7 @@ def transparency(
                         timeout=30,
                         schedule=schedule,
                         virtual_stages=virtual,
+                        transport=transport,
                     )
                     first, last = pipe.is_first_stage, pipe.is_last_stage
                     loss = pipe.step(x if first else None, y if last else None, mse)

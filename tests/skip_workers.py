@@ -26,7 +26,10 @@ def _model(name: str) -> nn.Sequential:
 
 
 def skips(
-    rank: int, world: int, cases: list[tuple[str, list[int], str, str, int]]
+    rank: int,
+    world: int,
+    cases: list[tuple[str, list[int], str, str, int]],
+    transport: str = "p2p",
 ) -> dict[str, tuple[float, float]]:
     """Loss and gradient errors against the plain model for (model, balance, schedule,
     policy, chunks) cases."""
@@ -44,6 +47,7 @@ def skips(
             schedule=schedule,
             virtual_stages=len(balance) // world,
             timeout=30,
+            transport=transport,
         )
         first, last = pipe.is_first_stage, pipe.is_last_stage
         loss = pipe.step(x if first else None, y if last else None, mse)

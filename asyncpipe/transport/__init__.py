@@ -1,8 +1,9 @@
-"""Transports: one interface, several carriers (point-to-point, in-process)."""
+"""Transports: one interface, several carriers (point-to-point, RPC, in-process)."""
 
 from .base import Message, PendingRecv, Transport, TransportTimeout
 from .inprocess import InProcessHub, InProcessTransport
 from .p2p import P2PTransport
+from .rpc import RPCTransport
 
 __all__ = [
     "InProcessHub",
@@ -10,6 +11,7 @@ __all__ = [
     "Message",
     "P2PTransport",
     "PendingRecv",
+    "RPCTransport",
     "Transport",
     "TransportTimeout",
 ]

@@ -1,0 +1,201 @@
+"""RPC transport: messages travel as ``torch.distributed.rpc`` calls (TensorPipe).
+
+A send is an asynchronous remote call that drops the message into the receiver's mailbox; a
+receive waits on that mailbox. The sender never blocks, and a message needs no receive posted
+ahead of it, so any order of sends and receives works::
+
+    rank 0  send(1, ch, m) ──rpc_async(deliver)──> rank 1 mailbox[(0, ch)] ──> recv(0, ch).wait()
+            flush(): wait until every delivery was acknowledged
+
+With CUDA tensors, :func:`asyncpipe.init` configures TensorPipe's device maps so tensors go
+from device to device without a trip through host memory.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.rpc as rpc
+from torch import Tensor
+
+from .base import Message, PendingRecv, Transport, TransportTimeout
+
+__all__: list[str] = []
+
+
+class _Mailbox:
+    """The messages that arrived for one transport of this process.
+
+    Remote calls may run in any order on the receiver's thread pool, so each message carries
+    its number on its (source, channel) stream and a receive waits for its own number.
+    """
+
+    def __init__(self) -> None:
+        self._arrived: dict[tuple[int, int, int], Message] = {}
+        self._ready = threading.Condition()
+
+    def put(self, src: int, channel: int, sequence: int, message: Message) -> None:
+        with self._ready:
+            self._arrived[(src, channel, sequence)] = message
+            self._ready.notify_all()
+
+    def take(self, src: int, channel: int, sequence: int, timeout: float) -> Message | None:
+        key = (src, channel, sequence)
+        with self._ready:
+            if not self._ready.wait_for(lambda: key in self._arrived, timeout):
+                return None
+            return self._arrived.pop(key)
+
+
+class _Post:
+    """The mailboxes of this process, by transport name.
+
+    A remote call runs a module-level function on the receiver, so the receiving side needs a
+    place where that function finds the mailbox; this is the one piece of process-wide state,
+    and it holds only mailboxes of transports that exist (``close`` removes them).
+    """
+
+    _boxes: dict[str, _Mailbox] = {}
+    _lock = threading.Lock()
+
+    @classmethod
+    def box(cls, name: str) -> _Mailbox:
+        with cls._lock:
+            return cls._boxes.setdefault(name, _Mailbox())
+
+    @classmethod
+    def remove(cls, name: str) -> None:
+        with cls._lock:
+            cls._boxes.pop(name, None)
+
+
+def _deliver(
+    name: str,
+    src: int,
+    channel: int,
+    sequence: int,
+    microbatch: int,
+    microbatches: int,
+    tensors: list[Tensor | None],
+    grads: list[bool],
+    error: str | None,
+) -> None:
+    """Runs on the receiver: put one message into its mailbox."""
+    for tensor, flag in zip(tensors, grads):
+        if tensor is not None and flag:
+            tensor.requires_grad_(True)
+    message = Message(microbatch, microbatches, tuple(tensors), error)
+    _Post.box(name).put(src, channel, sequence, message)
+
+
+class _MailboxRecv(PendingRecv):
+    def __init__(self, transport: RPCTransport, src: int, channel: int, sequence: int) -> None:
+        self.transport, self.src, self.channel, self.sequence = transport, src, channel, sequence
+
+    def wait(self, timeout: float) -> Message:
+        message = self.transport._box.take(self.src, self.channel, self.sequence, timeout)
+        if message is None:
+            raise TransportTimeout(
+                f"rank {self.transport.rank} timed out after {timeout:.1f} s waiting for a "
+                f"message from rank {self.src} (RPC worker "
+                f"{self.transport.worker_map[self.src]!r})"
+            )
+        return message
+
+
+class RPCTransport(Transport):
+    """Messages as ``torch.distributed.rpc`` calls between the pipeline's ranks.
+
+    Call :func:`asyncpipe.init` with ``rpc=True`` first (or ``torch.distributed.rpc.init_rpc``
+    yourself with the same worker names). ``AsyncPipe(..., transport="rpc")`` builds one.
+
+    Args:
+        worker_map: the RPC worker name of each rank (default ``"worker{rank}"``, the names
+            :func:`asyncpipe.init` gives).
+        name: keeps the messages of several pipelines in one job apart (one name per pipeline,
+            the same on every rank).
+
+    Example:
+        >>> import asyncpipe                                          # doctest: +SKIP
+        >>> asyncpipe.init(rpc=True)                                  # doctest: +SKIP
+        >>> pipe = asyncpipe.AsyncPipe(model, [2, 2], transport="rpc")  # doctest: +SKIP
+    """
+
+    def __init__(self, worker_map: Mapping[int, str] | None = None, name: str = "pipe") -> None:
+        info = rpc.get_worker_info()  # raises if RPC is not set up
+        self.rank = int(info.id)
+        self.world_size = (
+            int(dist.get_world_size()) if dist.is_initialized() else len(worker_map or {})
+        )
+        self.worker_map = {
+            r: (worker_map or {}).get(r, f"worker{r}") for r in range(self.world_size)
+        }
+        self.name = name
+        self._box = _Post.box(name)
+        self._futures: list[tuple[int, Any]] = []
+        self._sent: dict[tuple[int, int], int] = {}
+        self._posted: dict[tuple[int, int], int] = {}
+
+    def send(self, dst: int, channel: int, message: Message) -> None:
+        tensors = [None if t is None else t.detach() for t in message.tensors]
+        grads = [t is not None and t.requires_grad for t in message.tensors]
+        sequence = self._sent.get((dst, channel), 0)
+        self._sent[(dst, channel)] = sequence + 1
+        args = (
+            self.name,
+            self.rank,
+            channel,
+            sequence,
+            message.microbatch,
+            message.microbatches,
+            tensors,
+            grads,
+            message.error,
+        )
+        future = rpc.rpc_async(self.worker_map[dst], _deliver, args=args)
+        self._futures.append((dst, future))
+
+    def recv(self, src: int, channel: int, slot: int = 0) -> PendingRecv:
+        sequence = self._posted.get((src, channel), 0)
+        self._posted[(src, channel)] = sequence + 1
+        return _MailboxRecv(self, src, channel, sequence)
+
+    def flush(self, timeout: float) -> None:
+        futures, self._futures = self._futures, []
+        deadline = time.monotonic() + timeout
+        for dst, future in futures:
+            while not future.done():
+                if time.monotonic() > deadline:
+                    raise TransportTimeout(
+                        f"rank {self.rank} could not deliver its messages to rank {dst} (RPC "
+                        f"worker {self.worker_map[dst]!r}) within {timeout:.1f} s"
+                    )
+                time.sleep(0.0005)
+            try:
+                future.wait()
+            except Exception as e:
+                raise TransportTimeout(
+                    f"rank {self.rank} could not deliver a message to rank {dst} (RPC worker "
+                    f"{self.worker_map[dst]!r}): {str(e).splitlines()[0] if str(e) else e!r}"
+                ) from e
+
+    def close(self) -> None:
+        _Post.remove(self.name)
+
+
+def device_maps(
+    rank: int, world_size: int, local_world_size: int, worker_map: Mapping[int, str]
+) -> dict[str, dict[int, int]]:
+    """TensorPipe device maps so CUDA tensors go device to device: with one process per GPU,
+    rank ``r`` computes on GPU ``r % local_world_size`` of its node.
+
+    Example:
+        >>> device_maps(0, 2, 2, {0: "worker0", 1: "worker1"})
+        {'worker1': {0: 1}}
+    """
+    mine = rank % local_world_size
+    return {worker_map[r]: {mine: r % local_world_size} for r in range(world_size) if r != rank}
