@@ -69,10 +69,16 @@ def run_ranks(
 
 
 def run_ranks_raw(
-    fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120, backend: str = "gloo"
+    fn: Callable[..., Any],
+    world: int,
+    *args: Any,
+    timeout: float = 120,
+    backend: str = "gloo",
+    may_die: bool = False,
 ) -> list[Any]:
     """Like :func:`run_ranks`, but return ``("ok", value)`` or ``("error", text, tb)`` per rank;
-    a rank that neither finished nor failed within ``timeout`` fails the test."""
+    a rank that neither finished nor failed within ``timeout`` fails the test. With
+    ``may_die``, a rank that exited without a result comes back as ``("died", exit code)``."""
     ctx = mp.get_context("spawn")
     port = free_port()
     with tempfile.TemporaryDirectory() as out:
@@ -94,6 +100,9 @@ def run_ranks_raw(
         results = []
         for r in range(world):
             path = os.path.join(out, f"rank{r}.pt")
+            if not os.path.exists(path) and may_die:
+                results.append(("died", procs[r].exitcode))
+                continue
             if not os.path.exists(path):
                 raise AssertionError(
                     f"rank {r} died without a result (exit code {procs[r].exitcode})"

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from rpc_workers import rpc_skips, rpc_transparency
-from spawn import run_ranks
+from rpc_workers import driver, driver_dies, driver_elsewhere, rpc_skips, rpc_transparency
+from spawn import run_ranks, run_ranks_raw
 
 pytestmark = pytest.mark.slow
 
@@ -38,3 +38,28 @@ def test_rpc_three_processes_interleaved_and_skips() -> None:
     ]
     cases.append(("six", [1] * 6, "interleaved", "always", 3))
     _check(run_ranks(rpc_skips, 3, cases, timeout=240))
+
+
+@pytest.mark.parametrize("world,schedule", [(2, "gpipe"), (4, "1f1b")])
+def test_driver_mode_trains_like_the_plain_model(world: int, schedule: str) -> None:
+    result = run_ranks(driver, world, schedule, timeout=240)[0]
+    assert result["grads"] == 2 * 2 * world  # weight and bias of 2 linears per stage
+    assert result["loss_error"] < 1e-5 and result["grad_error"] < 1e-5, result
+    assert result["state_keys"] and result["state_error"] < 1e-5, result
+    assert result["output_error"] < 1e-5, result
+    assert f"stage {world - 1} failed" in result["failure"]
+    assert "this loss always fails" in result["failure"]
+
+
+def test_driver_only_on_rank_zero() -> None:
+    results = run_ranks(driver_elsewhere, 2, timeout=120)
+    assert "built on rank 0 only (this is rank 1)" in results[1]
+
+
+def test_workers_stop_serving_when_the_driver_dies() -> None:
+    results = run_ranks_raw(driver_dies, 2, timeout=120, may_die=True)
+    assert results[0] == ("died", 3)
+    status, (message, seconds) = results[1]
+    assert status == "ok"
+    assert "the driver ('worker0') went away without shutting down" in message
+    assert seconds < 60

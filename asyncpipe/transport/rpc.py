@@ -127,13 +127,18 @@ class RPCTransport(Transport):
 
     def __init__(self, worker_map: Mapping[int, str] | None = None, name: str = "pipe") -> None:
         info = rpc.get_worker_info()  # raises if RPC is not set up
-        self.rank = int(info.id)
-        self.world_size = (
-            int(dist.get_world_size()) if dist.is_initialized() else len(worker_map or {})
-        )
-        self.worker_map = {
-            r: (worker_map or {}).get(r, f"worker{r}") for r in range(self.world_size)
-        }
+        if worker_map is None:
+            world = dist.get_world_size() if dist.is_initialized() else int(info.id) + 1
+            worker_map = {r: f"worker{r}" for r in range(world)}
+        names = dict(worker_map)
+        if sorted(names) != list(range(len(names))) or info.name not in names.values():
+            raise ValueError(
+                f"worker_map must name the RPC worker of each pipeline rank 0..N-1, this "
+                f"process ({info.name!r}) among them (got {names})"
+            )
+        self.worker_map = names
+        self.world_size = len(names)
+        self.rank = next(r for r, n in names.items() if n == info.name)
         self.name = name
         self._box = _Post.box(name)
         self._futures: list[tuple[int, Any]] = []

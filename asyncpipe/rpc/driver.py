@@ -1,0 +1,231 @@
+"""Single-controller mode: the training loop on rank 0, the stages serving it over RPC."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.rpc as torch_rpc
+from torch import Tensor, nn
+
+from ..failure import StageFailure
+from ..lazy import LazyModule
+from . import stage as remote
+
+__all__: list[str] = []
+
+_names = itertools.count()
+
+
+class RemotePipe:
+    """Drive a whole pipeline from rank 0: each rank holds one stage, rank 0 also the loop.
+
+    Every process calls ``asyncpipe.init(rpc=True)``; rank 0 builds a ``RemotePipe`` and the
+    other ranks call :func:`asyncpipe.rpc.serve`, which returns when the driver calls
+    :meth:`shutdown`. Stages talk to each other over the RPC transport; the driver sends the
+    input to the first stage and the target and loss function to the last.
+
+    Args:
+        module: an ``nn.Sequential`` or a list of modules / ``LazyModule`` (sent to every
+            worker, so a LazyModule's function must be picklable: a module-level function or a
+            ``functools.partial``, not a lambda).
+        balance: layers per stage, one entry per process.
+        worker_map: the RPC worker names given to ``asyncpipe.init`` (default
+            ``"worker{rank}"``).
+        optimizer: a picklable factory ``params -> Optimizer`` (e.g.
+            ``functools.partial(torch.optim.SGD, lr=0.1)``) built on every stage.
+        **kwargs: what ``AsyncPipe`` takes besides ``transport`` (chunks, checkpoint,
+            schedule, ...).
+
+    Raises:
+        RuntimeError: on any rank but 0, or when RPC is not running.
+
+    Example:
+        >>> asyncpipe.init(rpc=True)                                   # doctest: +SKIP
+        >>> if dist.get_rank() == 0:                                   # doctest: +SKIP
+        ...     pipe = RemotePipe(model, [2, 2], chunks=4,
+        ...                       optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+        ...     for x, y in data:
+        ...         pipe.zero_grad()
+        ...         loss = pipe.step(x, y, torch.nn.functional.cross_entropy)
+        ...         pipe.optimizer_step()
+        ...     pipe.shutdown()
+        ... else:
+        ...     asyncpipe.rpc.serve()
+    """
+
+    def __init__(
+        self,
+        module: nn.Sequential | Sequence[nn.Module | LazyModule],
+        balance: Sequence[int],
+        *,
+        optimizer: Callable[..., torch.optim.Optimizer] | None = None,
+        worker_map: dict[int, str] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        try:
+            me = torch_rpc.get_worker_info()
+        except RuntimeError as e:
+            raise RuntimeError(
+                "RemotePipe needs torch.distributed.rpc: call asyncpipe.init(rpc=True) on every "
+                "process first"
+            ) from e
+        if me.id != 0:
+            raise RuntimeError(
+                f"RemotePipe is the controller and is built on rank 0 only (this is rank "
+                f"{me.id}); the other ranks call asyncpipe.rpc.serve()"
+            )
+        if "transport" in kwargs:
+            raise ValueError("RemotePipe always uses the rpc transport; drop transport=")
+        world = dist.get_world_size()
+        self.workers = {r: (worker_map or {}).get(r, f"worker{r}") for r in range(world)}
+        if self.workers[0] != me.name:
+            raise ValueError(
+                f"worker_map names rank 0 {self.workers[0]!r} but this process is {me.name!r}; "
+                f"pass the worker_map given to asyncpipe.init"
+            )
+        self.name = f"remote-pipe-{next(_names)}"
+        self.balance = list(balance)
+        self._names = _layer_names(module)
+        futures = [
+            torch_rpc.rpc_async(
+                self.workers[r],
+                remote.build,
+                args=(self.name, module, self.balance, kwargs, optimizer, self.workers),
+            )
+            for r in range(1, world)
+        ]
+        local = remote.build(self.name, module, self.balance, kwargs, optimizer, self.workers)
+        outcomes = [local] + [f.wait() for f in futures]
+        failed = [(r, o) for r, o in enumerate(outcomes) if o[0] != "ok"]
+        if failed:
+            for r in range(world):
+                self._call_one(r, remote.drop)
+            rank, outcome = failed[0]
+            raise ValueError(f"building the stage of rank {rank} failed: {outcome[1]}")
+        self.pipe = remote.Stages.get(self.name)
+        self.stages = world
+        self._closed = False
+
+    # ----- calls on every stage ---------------------------------------------------------------
+
+    def _call_one(self, rank: int, fn: Callable[..., Any], *args: Any) -> Any:
+        if rank == 0:
+            return fn(self.name, *args)
+        return torch_rpc.rpc_sync(self.workers[rank], fn, args=(self.name, *args))
+
+    def _each(
+        self, fn: Callable[..., Any], per_rank: Callable[[int], tuple[Any, ...]]
+    ) -> list[Any]:
+        """``fn(stage, *per_rank(r))`` on every stage at once; raise the first failure."""
+        if self._closed:
+            raise RuntimeError("this RemotePipe was shut down")
+        futures = {
+            r: torch_rpc.rpc_async(self.workers[r], remote.run, args=(self.name, fn, per_rank(r)))
+            for r in range(1, self.stages)
+        }
+        outcomes = [remote.run(self.name, fn, per_rank(0))]
+        for r in range(1, self.stages):
+            try:
+                outcomes.append(futures[r].wait())
+            except Exception as e:  # the worker itself went away
+                outcomes.append(("error", f"{type(e).__name__}: {e}", r, -1, -1, ""))
+        errors = [o for o in outcomes if o[0] != "ok"]
+        if errors:
+            # The stage that failed first names itself; the others report having seen it.
+            _, text, rank, stage, microbatch, action = min(
+                errors, key=lambda o: ("reported to rank" in o[1], "see that rank" in o[1])
+            )
+            raise StageFailure(
+                f"the pipeline failed: {text}",
+                rank=rank,
+                stage=stage,
+                microbatch=microbatch,
+                action=action,
+            )
+        return [o[1] for o in outcomes]
+
+    def foreach_worker(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """Run ``fn(stage_pipe, *args)`` on every stage (its local ``AsyncPipe``); return the
+        results by rank. ``fn`` must be picklable (a module-level function).
+
+        Example:
+            >>> counts = pipe.foreach_worker(count_parameters)         # doctest: +SKIP
+        """
+        return self._each(fn, lambda r: args)
+
+    # ----- the training loop ------------------------------------------------------------------
+
+    def step(self, input: object, target: object, loss_fn: Callable[..., Tensor]) -> float:
+        """Forward and backward of one mini-batch on every stage; returns the mean loss.
+        ``loss_fn`` is sent to the last stage, so it must be picklable."""
+        last = self.stages - 1
+        losses = self._each(
+            remote.step,
+            lambda r: (input if r == 0 else None, target if r == last else None, loss_fn),
+        )
+        return float(losses[0])
+
+    def forward(self, input: object) -> Any:
+        """Inference through the pipeline; returns the last stage's output on the driver."""
+        outputs = self._each(remote.forward, lambda r: (input if r == 0 else None,))
+        return outputs[-1]
+
+    __call__ = forward
+
+    def optimizer_step(self) -> None:
+        """Run the optimizer of every stage."""
+        self._each(remote.optimizer_step, lambda r: (self.name,))
+
+    def zero_grad(self) -> None:
+        """Zero the gradients of every stage."""
+        self._each(remote.zero_grad, lambda r: (self.name,))
+
+    def train(self, mode: bool = True) -> RemotePipe:
+        """Put every stage in training (or evaluation) mode."""
+        self._each(remote.set_mode, lambda r: (mode,))
+        return self
+
+    def eval(self) -> RemotePipe:
+        """Put every stage in evaluation mode."""
+        return self.train(False)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """The state of the whole model, gathered from every stage, with the plain model's
+        keys (on the CPU)."""
+        out: dict[str, Tensor] = {}
+        for states in self._each(remote.local_state, lambda r: ()):
+            for position, state in states.items():
+                for key, value in state.items():
+                    out[f"{self._names[position]}.{key}"] = value
+        return out
+
+    def shutdown(self) -> None:
+        """Release the stages, end RPC and the process group; :func:`serve` returns on the
+        workers."""
+        if self._closed:
+            return
+        self._closed = True
+        for r in range(self.stages):
+            try:
+                self._call_one(r, remote.drop)
+                if r:
+                    torch_rpc.rpc_sync(self.workers[r], remote.release, args=())
+            except Exception:  # noqa: S112 - a worker that is gone has nothing to release
+                continue
+        from ..group import shutdown
+
+        shutdown()
+
+
+PipeRPCWrapper = RemotePipe
+"""The name fairscale users know."""
+
+
+def _layer_names(module: object) -> list[str]:
+    if isinstance(module, nn.Sequential):
+        return list(module._modules.keys())
+    return [str(n) for n in range(len(module))]  # type: ignore[arg-type]
