@@ -59,7 +59,9 @@ class Transport(abc.ABC):
         """Post a receive for the next message from ``src`` on ``channel``.
 
         ``slot`` is the micro-batch of the message expected (the sender's
-        ``message.microbatch``); a transport may use it to size the receive ahead of time.
+        ``message.microbatch``); a transport may use it to size the receive ahead of time, so
+        post the next receive of a (``src``, ``channel``, ``slot``) only after the previous one
+        completed (the runtime does: each slot is used once per step).
         """
 
     def settle(self, dst: int, channel: int, slot: int, timeout: float) -> None:  # noqa: B027

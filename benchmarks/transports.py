@@ -1,0 +1,237 @@
+"""Transport benchmark: activation bandwidth of p2p and rpc against raw send/recv, and the step
+time of the reference workload over each transport.
+
+Run ``python -m benchmarks.transports``; it launches its own worker processes (loopback, gloo,
+TensorPipe), prints a table and writes it into ``docs/transports.md``.
+
+Bandwidth: rank 0 sends ``--messages`` tensors of one shape to rank 1, one direction, with no
+compute in between; rank 1 times from its first message to its last. ``raw`` is
+``torch.distributed.send``/``recv`` of the bare tensor (the limit on this machine), ``p2p`` and
+``rpc`` are asyncpipe's transports carrying the same tensor in a message, receives posted ahead
+as the runtime posts them. Step time: ``AsyncPipe(schedule="1f1b")`` on the reference workload
+(8 sleep layers, F ms forward) with each transport.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .gpipe import replace_section
+from .launch import launch
+from .worker import _loss, write_record
+from .workload import SHAPES, build_model, make_batch, nominal_ideal_s
+
+__all__ = ["main"]
+
+BEGIN, END = "<!-- transports:begin -->", "<!-- transports:end -->"
+DOC = Path(__file__).resolve().parent.parent / "docs" / "transports.md"
+
+
+# ----- worker side -----------------------------------------------------------------------------
+
+
+SLOTS = 8
+"""Messages reuse SLOTS micro-batch slots, as a pipeline's steps do."""
+
+
+def _bandwidth(
+    method: str, shape: tuple[int, ...], messages: int, transports: dict[str, Any]
+) -> float | None:
+    """Seconds rank 1 took to receive ``messages`` tensors of ``shape`` (None on rank 0)."""
+    from asyncpipe.transport import Message, P2PTransport, RPCTransport
+
+    rank = dist.get_rank()
+    tensor = torch.randn(*shape)
+    if method not in transports:  # one per method and shape, kept from warm-up to the run
+        makers = {"p2p": P2PTransport, "rpc": RPCTransport, "raw": lambda: None}
+        transports[method] = makers[method]()
+    transport = transports[method]
+    dist.barrier()
+    if rank == 0:
+        works = []
+        for n in range(messages):
+            if transport is None:
+                works.append(dist.isend(tensor, 1))
+            else:
+                transport.send(1, 0, Message(n % SLOTS, SLOTS, (tensor,)))
+        for work in works:
+            work.wait()
+        if transport is not None:
+            transport.flush(120)
+        dist.barrier()
+        return None
+
+    def post(n: int) -> Any:
+        if transport is None:
+            return dist.irecv(torch.empty(*shape), 0)
+        return transport.recv(0, 0, n % SLOTS)
+
+    # A window of SLOTS receives posted ahead, one per slot, as a pipeline posts them.
+    pending = {n: post(n) for n in range(min(SLOTS, messages))}
+    start = 0.0
+    for n in range(messages):
+        receive = pending.pop(n)
+        if transport is None:
+            receive.wait()
+        else:
+            receive.wait(120)
+        if n + SLOTS < messages:
+            pending[n + SLOTS] = post(n + SLOTS)
+        if n == 0:
+            start = time.perf_counter()
+    seconds = time.perf_counter() - start
+    dist.barrier()
+    return seconds
+
+
+def _step_time(transport: str, f_ms: float, chunks: int, steps: int) -> dict[str, float]:
+    import asyncpipe
+
+    world = dist.get_world_size()
+    model = build_model(f_ms)
+    pipe = asyncpipe.AsyncPipe(
+        model,
+        [len(model) // world] * world,
+        chunks=chunks,
+        checkpoint="never",
+        schedule="1f1b",
+        transport=transport,
+    )
+    x, y = make_batch(chunks, 4, "small")
+    times = []
+    for _ in range(steps + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        pipe.step(x if pipe.is_first_stage else None, y if pipe.is_last_stage else None, _loss)
+        times.append(time.perf_counter() - start)
+    return {"median_s": statistics.median(times[1:]), "min_s": min(times[1:])}
+
+
+def worker(args: argparse.Namespace) -> int:
+    import asyncpipe
+
+    asyncpipe.init(rpc=True)
+    record: dict[str, Any] = {"bandwidth": {}, "steps": {}}
+    micro = args.micro_batch
+    for label, shape in (
+        ("small", (micro, *SHAPES["small"])),
+        ("large", (micro, *SHAPES["large"])),
+    ):
+        count = args.messages if label == "small" else max(args.messages // 10, 20)
+        transports: dict[str, Any] = {}
+        for method in ("raw", "p2p", "rpc"):
+            _bandwidth(method, shape, 2 * SLOTS, transports)  # warm up: slots learn their size
+            seconds = _bandwidth(method, shape, count, transports)
+            if seconds is not None:
+                size = 4 * int(torch.Size(shape).numel())
+                # count - 1 messages arrived after the first one started the clock
+                record["bandwidth"][f"{label}-{method}"] = {
+                    "bytes": size,
+                    "messages": count,
+                    "seconds": seconds,
+                    "bytes_per_s": size * (count - 1) / seconds,
+                }
+    if dist.get_world_size() >= 2:
+        for transport in ("p2p", "rpc"):
+            record["steps"][transport] = _step_time(transport, args.f_ms, args.chunks, args.steps)
+    write_record(Path(args.out) / f"rank{dist.get_rank()}.json", record)
+    asyncpipe.shutdown()
+    return 0
+
+
+# ----- driver side -----------------------------------------------------------------------------
+
+
+def _table(records: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    bandwidth = records[1]["bandwidth"]
+    lines = [
+        "| shape | bytes | raw send/recv | p2p | rpc | p2p / raw | rpc / raw |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for label in ("small", "large"):
+        shape = (args.micro_batch, *SHAPES[label])
+        raw, p2p, rpc = (bandwidth[f"{label}-{m}"] for m in ("raw", "p2p", "rpc"))
+
+        def rate(entry: dict[str, float]) -> str:
+            return f"{entry['bytes_per_s'] / 2**20:.0f} MiB/s"
+
+        lines.append(
+            f"| {shape} | {raw['bytes']} | {rate(raw)} | {rate(p2p)} | {rate(rpc)} | "
+            f"{p2p['bytes_per_s'] / raw['bytes_per_s']:.2f} | "
+            f"{rpc['bytes_per_s'] / raw['bytes_per_s']:.2f} |"
+        )
+    steps = records[0]["steps"]
+    world = args.processes
+    ideal = nominal_ideal_s(world, args.chunks, 8 // world, args.f_ms)
+    lines += [
+        "",
+        f"Reference workload, 1F1B, {world} processes, chunks {args.chunks}, F = {args.f_ms} ms "
+        f"(nominal ideal {ideal * 1e3:.0f} ms):",
+        "",
+        "| transport | median step | best step | median / nominal ideal |",
+        "|---|---:|---:|---:|",
+    ]
+    for transport in ("p2p", "rpc"):
+        entry = steps[transport]
+        lines.append(
+            f"| {transport} | {entry['median_s'] * 1e3:.1f} ms | {entry['min_s'] * 1e3:.1f} ms | "
+            f"{entry['median_s'] / ideal:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.transports",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--processes", type=int, default=4, help="processes for the step time")
+    parser.add_argument("--micro-batch", type=int, default=8, help="rows of a message")
+    parser.add_argument("--messages", type=int, default=400, help="messages of the small shape")
+    parser.add_argument("--f-ms", type=float, default=5.0, help="forward sleep per layer (ms)")
+    parser.add_argument("--chunks", type=int, default=8, help="micro-batches per step")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per transport")
+    parser.add_argument("--no-write", action="store_true", help="print only; leave docs alone")
+    args = parser.parse_args(argv)
+    if args.worker:
+        return worker(args)
+    with tempfile.TemporaryDirectory() as work:
+        forwarded = [a for a in (argv if argv is not None else sys.argv[1:])]
+        result = launch(
+            "benchmarks.transports",
+            ["--worker", "--out", work, *forwarded],
+            args.processes,
+            timeout_s=900,
+            log_dir=Path(work) / "logs",
+        )
+        if not result.ok:
+            print(f"the benchmark failed: {result.failure()}", file=sys.stderr)
+            return 1
+        records = [json.loads((Path(work) / f"rank{r}.json").read_text()) for r in range(2)]
+    table = _table(records, args)
+    print(table)
+    if not args.no_write:
+        section = (
+            f"{BEGIN}\n\nMeasured with `python -m benchmarks.transports` on "
+            f"{os.cpu_count()} CPU cores, torch {torch.__version__}.\n\n{table}\n\n{END}"
+        )
+        replace_section(DOC, section, BEGIN, END, "# Transport benchmarks\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
