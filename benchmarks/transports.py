@@ -95,7 +95,9 @@ def _bandwidth(
     return seconds
 
 
-def _step_time(transport: str, f_ms: float, chunks: int, steps: int) -> dict[str, float]:
+def _step_time(
+    transport: str, f_ms: float, chunks: int, steps: int, schedule: str
+) -> dict[str, float]:
     import asyncpipe
 
     world = dist.get_world_size()
@@ -105,7 +107,7 @@ def _step_time(transport: str, f_ms: float, chunks: int, steps: int) -> dict[str
         [len(model) // world] * world,
         chunks=chunks,
         checkpoint="never",
-        schedule="1f1b",
+        schedule=schedule,
         transport=transport,
     )
     x, y = make_batch(chunks, 4, "small")
@@ -114,6 +116,37 @@ def _step_time(transport: str, f_ms: float, chunks: int, steps: int) -> dict[str
         dist.barrier()
         start = time.perf_counter()
         pipe.step(x if pipe.is_first_stage else None, y if pipe.is_last_stage else None, _loss)
+        times.append(time.perf_counter() - start)
+    return {"median_s": statistics.median(times[1:]), "min_s": min(times[1:])}
+
+
+def _fairscale_step_time(f_ms: float, chunks: int, steps: int) -> dict[str, Any]:
+    """fairscale's AsyncPipe (over RPC) on the same workload, or why it could not run."""
+    try:
+        from fairscale.nn.model_parallel import initialize_model_parallel
+        from fairscale.nn.pipe import AsyncPipe as FairscaleAsyncPipe
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+    world = dist.get_world_size()
+    initialize_model_parallel(1, world)
+    model = build_model(f_ms)
+    pipe = FairscaleAsyncPipe(
+        model,
+        [len(model) // world] * world,
+        worker_map={r: f"worker{r}" for r in range(world)},
+        chunks=chunks,
+        checkpoint="never",
+    )
+    x, y = make_batch(chunks, 4, "small")
+    times = []
+    for _ in range(steps + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        out = pipe(x)
+        if pipe.final_stage:
+            _loss(out, y).backward()
+        else:
+            pipe.back_helper(out)
         times.append(time.perf_counter() - start)
     return {"median_s": statistics.median(times[1:]), "min_s": min(times[1:])}
 
@@ -143,8 +176,14 @@ def worker(args: argparse.Namespace) -> int:
                     "bytes_per_s": size * (count - 1) / seconds,
                 }
     if dist.get_world_size() >= 2:
-        for transport in ("p2p", "rpc"):
-            record["steps"][transport] = _step_time(transport, args.f_ms, args.chunks, args.steps)
+        for schedule in ("gpipe", "1f1b"):
+            for transport in ("p2p", "rpc"):
+                record["steps"][f"asyncpipe {schedule} over {transport}"] = _step_time(
+                    transport, args.f_ms, args.chunks, args.steps, schedule
+                )
+        record["steps"]["fairscale AsyncPipe over rpc"] = _fairscale_step_time(
+            args.f_ms, args.chunks, args.steps
+        )
     write_record(Path(args.out) / f"rank{dist.get_rank()}.json", record)
     asyncpipe.shutdown()
     return 0
@@ -176,17 +215,22 @@ def _table(records: list[dict[str, Any]], args: argparse.Namespace) -> str:
     ideal = nominal_ideal_s(world, args.chunks, 8 // world, args.f_ms)
     lines += [
         "",
-        f"Reference workload, 1F1B, {world} processes, chunks {args.chunks}, F = {args.f_ms} ms "
-        f"(nominal ideal {ideal * 1e3:.0f} ms):",
+        f"Reference workload, {world} processes, chunks {args.chunks}, F = {args.f_ms} ms, no "
+        f"activation checkpointing (GPipe and 1F1B nominal ideal {ideal * 1e3:.0f} ms). "
+        f"fairscale's AsyncPipe runs fill-drain (GPipe), so compare it with the GPipe rows:",
         "",
-        "| transport | median step | best step | median / nominal ideal |",
-        "|---|---:|---:|---:|",
+        "| system | median step | best step | median / nominal ideal | fairscale / this |",
+        "|---|---:|---:|---:|---:|",
     ]
-    for transport in ("p2p", "rpc"):
-        entry = steps[transport]
+    peer = steps["fairscale AsyncPipe over rpc"]
+    for name, entry in steps.items():
+        if "error" in entry:
+            lines.append(f"| {name} | did not run: {entry['error']} | | | |")
+            continue
+        versus = f"{peer['median_s'] / entry['median_s']:.2f}" if "median_s" in peer else "n/a"
         lines.append(
-            f"| {transport} | {entry['median_s'] * 1e3:.1f} ms | {entry['min_s'] * 1e3:.1f} ms | "
-            f"{entry['median_s'] / ideal:.2f}x |"
+            f"| {name} | {entry['median_s'] * 1e3:.1f} ms | {entry['min_s'] * 1e3:.1f} ms | "
+            f"{entry['median_s'] / ideal:.2f}x | {versus} |"
         )
     return "\n".join(lines)
 
