@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -15,6 +16,7 @@ from .failure import StageFailure, StepReport
 from .lazy import LazyModule
 from .microbatch import Tensors, as_tensors, gather, scatter
 from .partition import Partition, Segment, partition
+from .precision import DTYPES, LossScaler, all_finite, drop_, unscale_
 from .runtime import LossFn, Runtime, Work, unwrap
 from .schedule import Action, Kind, Plan
 from .skip.layer import Skippable
@@ -147,10 +149,18 @@ class AsyncPipe(nn.Module):
         transport: str | Transport = "p2p",
         timeout: float = 300.0,
         device: torch.device | str | None = None,
+        autocast: torch.dtype | None = None,
+        loss_scale: float = 2.0**16,
     ) -> None:
         super().__init__()
         layers = check_arguments(module, balance, chunks, checkpoint, schedule, virtual_stages)
         problems = []
+        if autocast is not None and autocast not in DTYPES:
+            problems.append(
+                f"autocast must be None, torch.bfloat16 or torch.float16 (got {autocast!r})"
+            )
+        if not (isinstance(loss_scale, (int, float)) and loss_scale > 0):
+            problems.append(f"loss_scale must be a positive number (got {loss_scale!r})")
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             problems.append(f"timeout must be a positive number of seconds (got {timeout!r})")
         if isinstance(transport, str):
@@ -204,6 +214,10 @@ class AsyncPipe(nn.Module):
         self.checkpoint = checkpoint
         self.schedule = schedule
         self.timeout = float(timeout)
+        self.autocast = autocast
+        self.scaler = LossScaler(float(loss_scale)) if autocast is torch.float16 else None
+        self.overflow = False
+        """Whether the last step overflowed in float16 (its gradients were dropped everywhere)."""
         self.stage = transport.rank
         self.num_stages = transport.world_size
         self.virtual_stages = virtual_stages
@@ -347,6 +361,8 @@ class AsyncPipe(nn.Module):
                 targets=targets,
                 loss_fn=loss_fn,
                 policy=policy,
+                autocast=self.autocast,
+                loss_scale=self.scaler.scale if self.scaler and loss_fn is not None else 1.0,
             )
 
         return prepare
@@ -380,7 +396,55 @@ class AsyncPipe(nn.Module):
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable (got {type(loss_fn).__name__})")
         work = self._run(self._prepare(input, target, loss_fn, train=True))
+        if self.scaler is not None:
+            self._settle_scale()
         return work.loss_sum / work.microbatches
+
+    def _settle_scale(self) -> None:
+        """float16: drop the step's gradients everywhere if any stage overflowed, else unscale."""
+        assert self.scaler is not None
+        params = list(self.parameters())
+        table = self._runtime.exchange([0.0 if all_finite(params) else 1.0])
+        self.overflow = any(row[0] for row in table)
+        if self.overflow:
+            drop_(params)
+        else:
+            unscale_(params, self.scaler.scale)
+        self.scaler.update(self.overflow)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Clip the gradients of the whole pipeline by their norm over every stage.
+
+        Call it on every rank after :meth:`step`. It equals ``torch.nn.utils.clip_grad_norm_``
+        on the plain model: the norm counts every parameter once, and every stage scales its
+        gradients by the same factor.
+
+        Returns:
+            the total norm of the gradients before clipping (the same on every rank).
+
+        Example:
+            >>> loss = pipe.step(x, y, loss_fn)                # doctest: +SKIP
+            >>> norm = pipe.clip_grad_norm_(1.0)               # doctest: +SKIP
+            >>> optimizer.step()                               # doctest: +SKIP
+        """
+        if not (isinstance(max_norm, (int, float)) and max_norm > 0):
+            raise ValueError(f"max_norm must be a positive number (got {max_norm!r})")
+        norm_type = float(norm_type)
+        grads = [p.grad.detach() for p in self.parameters() if p.grad is not None]
+        inf = norm_type == math.inf
+        if not grads:
+            local = 0.0
+        elif inf:
+            local = float(max(g.abs().max() for g in grads))
+        else:
+            local = float(sum(g.double().norm(norm_type) ** norm_type for g in grads))
+        table = self._runtime.exchange([local])
+        values = [row[0] for row in table]
+        total = max(values) if inf else sum(values) ** (1.0 / norm_type)
+        coefficient = min(max_norm / (total + 1e-6), 1.0)
+        for g in grads:
+            g.mul_(coefficient)
+        return torch.tensor(total)
 
     def forward(self, input: object = None) -> Any:
         """Run the forward of one mini-batch through the pipeline (fairscale's style).

@@ -45,6 +45,7 @@ _OK, _FAILED, _RELAYED = 0.0, 1.0, 2.0
 _SEPARATOR = "\x1f"
 _NEWS_SECONDS = 2.0  # how long a failed rank waits for its failure notices to be taken
 STATUS_CHANNEL = 1 << 20  # every rank tells every other how its step ended
+EXCHANGE_CHANNEL = STATUS_CHANNEL + 1  # small all-to-all exchanges between steps
 
 
 def unwrap(tensors: Tensors) -> object:
@@ -74,6 +75,8 @@ class Work:
     loss_fn: LossFn | None = None
     output_grads: list[Grads] | None = None
     policy: str = "never"
+    autocast: torch.dtype | None = None
+    loss_scale: float = 1.0
     feed: dict[tuple[int, int], Tensors] = field(default_factory=dict)
     saved: dict[tuple[int, int], Tensors] = field(default_factory=dict)
     outputs: dict[tuple[int, int], Tensors] = field(default_factory=dict)
@@ -400,6 +403,25 @@ class Runtime:
             failure.text += f" (reported to rank {self.rank} while it waited in {action})"
             raise failure
 
+    def exchange(self, values: Sequence[float]) -> list[list[float]]:
+        """Every rank's ``values`` (index = rank): one message to and from every other rank.
+        Call it on every rank, between steps."""
+        peers = [r for r in range(self.transport.world_size) if r != self.rank]
+        pending = {peer: self.transport.recv(peer, EXCHANGE_CHANNEL) for peer in peers}
+        mine = torch.tensor(list(values), dtype=torch.float64, device=self.device)
+        for peer in peers:
+            self.transport.send(peer, EXCHANGE_CHANNEL, Message(0, 0, (mine,)))
+        table: list[list[float]] = [[] for _ in range(self.transport.world_size)]
+        table[self.rank] = [float(v) for v in values]
+        for peer, receive in pending.items():
+            message = receive.wait(self.timeout)
+            tensor = message.tensors[0] if message.tensors else None
+            if message.error is not None or tensor is None:
+                raise RuntimeError(f"rank {peer} sent no values: {message.error}")
+            table[peer] = tensor.cpu().tolist()
+        self.transport.flush(self.timeout)
+        return table
+
     # ----- handlers ----------------------------------------------------------------------
 
     def _post_statuses(self) -> dict[int, PendingRecv]:
@@ -474,7 +496,12 @@ class Runtime:
         value: object = unwrap(x)
         split = (seg, i) in work.split and torch.is_grad_enabled()
         tracker = SkipTracker(skips, self.routes.crossing(seg), cut=split)
-        with use(tracker):
+        precision = (
+            torch.autocast(self.device.type, dtype=work.autocast)
+            if work.autocast is not None
+            else contextlib.nullcontext()
+        )
+        with use(tracker), precision:
             if split:
                 value, work.runs[(seg, i)] = run_cut(self.segments[seg], value, tracker)
             else:
@@ -564,7 +591,7 @@ class Runtime:
         grads: list[Tensor | None] = []
         given: Grads = ()
         if seg == self.last and work.loss_fn is not None:
-            loss = work.losses.pop(i) / work.microbatches
+            loss = work.losses.pop(i) * (work.loss_scale / work.microbatches)
             if split:
                 wanted = [o for o in out if o.requires_grad]
                 found = dict(zip(map(id, wanted), torch.autograd.grad(loss, wanted)))
