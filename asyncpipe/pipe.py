@@ -15,6 +15,7 @@ from .batchnorm import DeferredBatchNorm, commit_all
 from .failure import StageFailure, StepReport
 from .lazy import LazyModule
 from .microbatch import Tensors, as_tensors, gather, scatter
+from .parallel import GradientAverager, Layout, groups
 from .partition import Partition, Segment, partition
 from .precision import DTYPES, LossScaler, all_finite, drop_, unscale_
 from .runtime import LossFn, Runtime, Work, unwrap
@@ -151,6 +152,7 @@ class AsyncPipe(nn.Module):
         device: torch.device | str | None = None,
         autocast: torch.dtype | None = None,
         loss_scale: float = 2.0**16,
+        data_parallel_size: int = 1,
     ) -> None:
         super().__init__()
         layers = check_arguments(module, balance, chunks, checkpoint, schedule, virtual_stages)
@@ -158,6 +160,15 @@ class AsyncPipe(nn.Module):
         if autocast is not None and autocast not in DTYPES:
             problems.append(
                 f"autocast must be None, torch.bfloat16 or torch.float16 (got {autocast!r})"
+            )
+        if not (isinstance(data_parallel_size, int) and data_parallel_size >= 1):
+            problems.append(
+                f"data_parallel_size must be a positive integer (got {data_parallel_size!r})"
+            )
+        elif data_parallel_size > 1 and not isinstance(transport, str):
+            problems.append(
+                "data_parallel_size > 1 builds its own process groups; pass transport='p2p' or "
+                "'rpc', not a Transport object"
             )
         if not (isinstance(loss_scale, (int, float)) and loss_scale > 0):
             problems.append(f"loss_scale must be a positive number (got {loss_scale!r})")
@@ -191,11 +202,35 @@ class AsyncPipe(nn.Module):
             use_cuda = dist.is_initialized() and dist.get_backend() == "nccl"
             device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else None
         self.device = torch.device(device) if device is not None else torch.device("cpu")
-        if transport == "rpc":
-            transport = RPCTransport()
-        elif isinstance(transport, str):
-            transport = P2PTransport(device=self.device)
         ranks = len(balance) // virtual_stages
+        self.data_parallel_size = int(data_parallel_size)
+        self.data_parallel_rank = 0
+        self._averager: GradientAverager | None = None
+        pipeline_group = None
+        if self.data_parallel_size > 1:
+            world = dist.get_world_size()
+            if world != self.data_parallel_size * ranks:
+                raise ValueError(
+                    f"the world must hold data_parallel_size x pipeline ranks processes (world: "
+                    f"{world}, data_parallel_size: {self.data_parallel_size}, pipeline ranks: "
+                    f"{ranks}); launch {self.data_parallel_size * ranks} processes or change "
+                    f"data_parallel_size"
+                )
+            layout = Layout(ranks, self.data_parallel_size)
+            me = dist.get_rank()
+            pipeline_group, data_parallel_group = groups(layout, me)
+            self.data_parallel_rank = layout.replica(me)
+        if transport == "rpc":
+            if pipeline_group is None:
+                transport = RPCTransport()
+            else:
+                names = layout.pipeline_ranks(self.data_parallel_rank)
+                transport = RPCTransport(
+                    {s: f"worker{r}" for s, r in enumerate(names)},
+                    name=f"pipe-replica{self.data_parallel_rank}",
+                )
+        elif isinstance(transport, str):
+            transport = P2PTransport(group=pipeline_group, device=self.device)
         if transport.world_size * virtual_stages != len(balance):
             per = "" if virtual_stages == 1 else f" times virtual_stages ({virtual_stages})"
             fix = (
@@ -205,8 +240,8 @@ class AsyncPipe(nn.Module):
             )
             raise ValueError(
                 f"balance must have one entry per pipeline rank{per} (ranks: "
-                f"{transport.world_size}, entries in balance: {len(balance)}); {fix}. Extra ranks "
-                f"for data parallelism are not supported yet"
+                f"{transport.world_size}, entries in balance: {len(balance)}); {fix}, or use the "
+                f"extra ranks as data-parallel replicas with data_parallel_size"
             )
         self.transport = transport
         self.balance = list(balance)
@@ -254,6 +289,11 @@ class AsyncPipe(nn.Module):
             routes,
         )
         self.skip_routes = routes
+        if pipeline_group is not None:
+            self._averager = GradientAverager(
+                list(self.parameters()), data_parallel_group, self.data_parallel_size, self.device
+            )
+            self._runtime.after_backward = self._averager.start
         self._last_segment = len(segments) - 1
         self._first_rank = segments[0].stage
         self._last_rank = segments[-1].stage
@@ -396,6 +436,8 @@ class AsyncPipe(nn.Module):
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable (got {type(loss_fn).__name__})")
         work = self._run(self._prepare(input, target, loss_fn, train=True))
+        if self._averager is not None:
+            self._averager.finish()
         if self.scaler is not None:
             self._settle_scale()
         return work.loss_sum / work.microbatches
@@ -406,6 +448,8 @@ class AsyncPipe(nn.Module):
         params = list(self.parameters())
         table = self._runtime.exchange([0.0 if all_finite(params) else 1.0])
         self.overflow = any(row[0] for row in table)
+        if self._averager is not None:  # replicas agree (their averaged gradients do anyway)
+            self.overflow = self._averager.reduce_max(float(self.overflow)) > 0
         if self.overflow:
             drop_(params)
         else:
@@ -491,6 +535,8 @@ class AsyncPipe(nn.Module):
             )
         work.output_grads = output_grads
         self._run(lambda m: work, _is_backward, resume=work)
+        if self._averager is not None:
+            self._averager.finish()
 
     def back_helper(self, output: object = None) -> None:
         """Take part in the backward of the last :meth:`forward` on a stage other than the last.

@@ -171,6 +171,9 @@ class Runtime:
         self._plans: dict[tuple[int, bool], tuple[list[Action], frozenset[tuple[int, int]]]] = {}
         self._settle: dict[tuple[int, bool], dict[Action, list[Action]]] = {}
         self._statuses: dict[int, PendingRecv] = {}
+        self.after_backward: Callable[[], None] | None = None
+        """Called right after this rank's last backward action of a training step (e.g. to
+        start averaging gradients while the rest of the pipeline finishes)."""
         self.handlers: dict[Kind, Callable[[Work, Action], None]] = {
             Kind.FORWARD: self.forward,
             Kind.BACKWARD: self.backward,
@@ -282,7 +285,9 @@ class Runtime:
             if first is not None and first_action is not None:
                 work.pending[first_action] = first
             work.unposted = [a for a in row if a.kind.is_recv and a not in work.pending]
-            for action in row:
+            backwards = [n for n, a in enumerate(row) if a.kind in (Kind.BACKWARD, Kind.WEIGHT)]
+            hook_at = backwards[-1] if backwards and self.after_backward else -1
+            for index, action in enumerate(row):
                 current = str(action)
                 began = time.perf_counter()
                 with record_function(current):
@@ -291,6 +296,8 @@ class Runtime:
                 if action.kind.is_compute:
                     busy += ended - began
                 events.append((current, began - start, ended - start))
+                if index == hook_at and self.after_backward is not None:
+                    self.after_backward()
         except Failed as e:
             failure, original = e, e
         except Exception as e:

@@ -1,0 +1,120 @@
+"""Data parallelism across pipelines: rank layout, process groups and gradient averaging.
+
+With ``data_parallel_size=D`` and ``S`` pipeline ranks, the world holds ``D`` replicas of the
+pipeline, each on ``S`` consecutive ranks; a stage's copies form its data-parallel group::
+
+    world rank   0   1   2   3   4   5        S = 3 stages, D = 2 replicas
+    replica      0   0   0   1   1   1        pipeline groups: {0, 1, 2}, {3, 4, 5}
+    stage        0   1   2   0   1   2        data-parallel groups: {0, 3}, {1, 4}, {2, 5}
+
+A rank averages its gradients with its data-parallel group in buckets, started as soon as its
+own last backward of the step is done, so the all-reduce runs while the rank would otherwise
+wait for the rest of the pipeline to finish the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+__all__: list[str] = []
+
+BUCKET_BYTES = 25 * 2**20
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a world rank sits: ``stages`` pipeline ranks per replica, ``replicas`` replicas."""
+
+    stages: int
+    replicas: int
+
+    def stage(self, rank: int) -> int:
+        return rank % self.stages
+
+    def replica(self, rank: int) -> int:
+        return rank // self.stages
+
+    def pipeline_ranks(self, replica: int) -> list[int]:
+        return [replica * self.stages + s for s in range(self.stages)]
+
+    def data_parallel_ranks(self, stage: int) -> list[int]:
+        return [d * self.stages + stage for d in range(self.replicas)]
+
+
+def groups(layout: Layout, rank: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """This rank's pipeline group and data-parallel group. Every rank creates every group, in
+    the same order (creating a group is collective)."""
+    pipeline = data_parallel = None
+    for replica in range(layout.replicas):
+        group = dist.new_group(layout.pipeline_ranks(replica))
+        if replica == layout.replica(rank):
+            pipeline = group
+    for stage in range(layout.stages):
+        group = dist.new_group(layout.data_parallel_ranks(stage))
+        if stage == layout.stage(rank):
+            data_parallel = group
+    assert pipeline is not None and data_parallel is not None
+    return pipeline, data_parallel
+
+
+class GradientAverager:
+    """Averages the gradients of ``parameters`` over ``group`` (``size`` ranks) in buckets."""
+
+    def __init__(
+        self,
+        parameters: Sequence[nn.Parameter],
+        group: dist.ProcessGroup,
+        size: int,
+        device: torch.device,
+        bucket_bytes: int = BUCKET_BYTES,
+    ) -> None:
+        self.group, self.size, self.device = group, size, device
+        self.buckets: list[list[nn.Parameter]] = []
+        current: list[nn.Parameter] = []
+        used = 0
+        for p in (p for p in parameters if p.requires_grad):
+            if current and (
+                used + p.numel() * p.element_size() > bucket_bytes or p.dtype != current[0].dtype
+            ):
+                self.buckets.append(current)
+                current, used = [], 0
+            current.append(p)
+            used += p.numel() * p.element_size()
+        if current:
+            self.buckets.append(current)
+        self._running: list[tuple[list[nn.Parameter], Tensor, dist.Work | None]] = []
+
+    def start(self) -> None:
+        """Launch the all-reduce of every bucket (non-blocking)."""
+        for bucket in self.buckets:
+            for p in bucket:
+                if p.grad is None:  # unused here: its copies may have gradients
+                    p.grad = torch.zeros_like(p)
+            flat = torch.cat([p.grad.reshape(-1) for p in bucket if p.grad is not None])
+            work = dist.all_reduce(flat, group=self.group, async_op=True)
+            self._running.append((bucket, flat, work))
+
+    def finish(self) -> None:
+        """Wait for the all-reduces and write the averages back into the gradients."""
+        running, self._running = self._running, []
+        for bucket, flat, work in running:
+            if work is not None:
+                work.wait()
+            flat.div_(self.size)
+            offset = 0
+            for p in bucket:
+                assert p.grad is not None
+                n = p.numel()
+                p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+                offset += n
+
+    def reduce_max(self, value: float) -> float:
+        """The largest ``value`` over the group (e.g. an overflow flag)."""
+        tensor = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+        return float(tensor.item())

@@ -1,0 +1,81 @@
+"""Worker functions for the data-parallel x pipeline tests (run in spawned processes)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from models import mlp
+from torch import nn
+
+from asyncpipe import AsyncPipe
+
+mse = nn.functional.mse_loss
+
+
+def two_by_two(rank: int, world: int, schedule: str, transport: str) -> dict[str, Any]:
+    """2 stages x 2 replicas: each replica steps on its half of the batch; the averaged
+    gradients, clipped over all stages, must equal the plain model's on the whole batch."""
+    if transport == "rpc":
+        import asyncpipe
+
+        asyncpipe.init(rpc=True)
+    model = mlp(4, seed=31)
+    torch.manual_seed(32)
+    x, y = torch.randn(16, 8), torch.randn(16, 8)
+    chunks = 4
+    plain = copy.deepcopy(model)
+    for px, py in zip(x.chunk(2 * chunks), y.chunk(2 * chunks)):
+        (mse(plain(px), py) / (2 * chunks)).backward()
+    want_norm = float(torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.1))
+    virtual = 2 if schedule == "interleaved" else 1
+    pipe = AsyncPipe(
+        model,
+        [1] * 4 if virtual == 2 else [2, 2],
+        chunks=chunks,
+        schedule=schedule,
+        virtual_stages=virtual,
+        data_parallel_size=2,
+        transport=transport,
+        timeout=30,
+    )
+    half = slice(8 * pipe.data_parallel_rank, 8 * pipe.data_parallel_rank + 8)
+    pipe.step(
+        x[half] if pipe.is_first_stage else None, y[half] if pipe.is_last_stage else None, mse
+    )
+    norm = float(pipe.clip_grad_norm_(0.1))
+    ids = {id(p): n for n, p in enumerate(model.parameters())}
+    want = [p.grad for p in plain.parameters()]
+    error = max(float((p.grad - want[ids[id(p)]]).abs().max()) for p in pipe.parameters())
+    out = {
+        "stage": pipe.stage,
+        "replica": pipe.data_parallel_rank,
+        "size": pipe.data_parallel_size,
+        "grad_error": error,
+        "norm_error": abs(norm - want_norm),
+    }
+    if transport == "rpc":
+        import asyncpipe
+
+        asyncpipe.shutdown()
+    return out
+
+
+def bf16_replicas(rank: int, world: int) -> list[float]:
+    """2 x 2 training in bfloat16: the loss curve of each rank."""
+    model = mlp(4, seed=33)
+    torch.manual_seed(34)
+    x = torch.randn(32, 8)
+    y = torch.tanh(x @ torch.randn(8, 8))
+    pipe = AsyncPipe(
+        model, [2, 2], chunks=4, data_parallel_size=2, autocast=torch.bfloat16, timeout=30
+    )
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.5)
+    half = slice(16 * pipe.data_parallel_rank, 16 * pipe.data_parallel_rank + 16)
+    losses = []
+    for _ in range(40):
+        optimizer.zero_grad()
+        losses.append(pipe.step(x[half], y[half], mse))
+        optimizer.step()
+    return losses

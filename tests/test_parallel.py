@@ -1,0 +1,31 @@
+"""Data parallel x pipeline on 4 processes: 2 stages x 2 replicas."""
+
+from __future__ import annotations
+
+import pytest
+from parallel_workers import bf16_replicas, two_by_two
+from spawn import run_ranks
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    "schedule,transport",
+    [("gpipe", "p2p"), ("1f1b", "p2p"), ("zero_bubble", "p2p"), ("interleaved", "p2p"),
+     ("1f1b", "rpc")],
+)  # fmt: skip
+def test_two_stages_by_two_replicas_match_the_plain_model(schedule: str, transport: str) -> None:
+    results = run_ranks(two_by_two, 4, schedule, transport, timeout=180)
+    assert [(r["stage"], r["replica"], r["size"]) for r in results] == [
+        (0, 0, 2), (1, 0, 2), (0, 1, 2), (1, 1, 2)
+    ]  # fmt: skip
+    for r in results:
+        assert r["grad_error"] < 1e-5 and r["norm_error"] < 1e-5, r
+
+
+def test_bfloat16_replicas_train() -> None:
+    curves = run_ranks(bf16_replicas, 4, timeout=180)
+    for curve in curves:
+        assert curve[-1] < 0.6 * curve[0]
+    # the replicas see different halves of the batch, so their losses differ
+    assert curves[1][-1] != curves[3][-1]
