@@ -124,10 +124,18 @@ class AsyncPipe(nn.Module):
             statistics, the running statistics are updated once per mini-batch with those of the
             whole mini-batch (a BatchNorm layer that is the whole layer is replaced, nested ones
             are swapped inside the caller's layer).
-        transport: ``"p2p"`` (torch.distributed send/recv) or a ``Transport`` object.
+        transport: ``"p2p"`` (torch.distributed send/recv), ``"rpc"``
+            (torch.distributed.rpc; call ``asyncpipe.init(rpc=True)``) or a ``Transport``.
         timeout: seconds any wait for another rank may take before it fails naming that rank.
         device: device of received tensors (default: CPU, or the current CUDA device with
             NCCL).
+        autocast: ``torch.bfloat16`` or ``torch.float16`` to compute every stage under
+            ``torch.autocast``; float16 adds a loss scale shared by every stage (an overflow
+            on any stage drops the step's gradients everywhere and sets ``pipe.overflow``).
+        loss_scale: the first loss scale with float16.
+        data_parallel_size: replicas of the pipeline; the world then has
+            ``data_parallel_size`` times the pipeline ranks, and each stage's gradients are
+            averaged over its replicas after every step.
 
     Example:
         >>> import asyncpipe, torch                                  # doctest: +SKIP
