@@ -29,7 +29,7 @@ from .recompute import RNGState, checkpointed
 from .schedule import Action, Kind, Plan, forward_only, lower, validate
 from .schedule.messages import misordered_pair, settle_points
 from .split import LayerRun, input_backward, run_cut, weight_backward
-from .transport import Message, PendingRecv, Transport
+from .transport import Message, PendingRecv, Transport, TransportTimeout
 
 __all__: list[str] = []
 
@@ -40,6 +40,7 @@ _OK, _FAILED, _RELAYED = 0.0, 1.0, 2.0
 _SEPARATOR = "\x1f"
 _NEWS_SECONDS = 2.0  # how long a failed rank waits for its failure notices to be taken
 STATUS_CHANNEL = 1 << 20  # every rank tells every other how its step ended
+_PEER_ERRORS = (TransportTimeout, ConnectionError)  # a receive found its peer silent or gone
 
 
 def unwrap(tensors: Tensors) -> object:
@@ -266,7 +267,9 @@ class Runtime:
             failure, original = e, e
         except Exception as e:
             failed = Action.parse(current) if current not in ("", "prepare") else None
-            if failed is not None:
+            if failed is not None and failed.kind.is_recv and isinstance(e, _PEER_ERRORS):
+                failure, original = self._silent_peer(failed, e), e
+            elif failed is not None:
                 text = (
                     f"stage {failed.stage} failed in {current} (micro-batch "
                     f"{failed.microbatch}) on rank {self.rank}: {type(e).__name__}: {e}"
@@ -275,15 +278,41 @@ class Runtime:
                 text = f"rank {self.rank} rejected its arguments: {type(e).__name__}: {e}"
             else:
                 text = f"rank {self.rank} failed before its first action: {type(e).__name__}: {e}"
-            stage = failed.stage if failed else -1
-            mb = failed.microbatch if failed else -1
-            failure, original = Failed(text, stage, mb, current, self.rank), e
+            if failure is None:
+                stage = failed.stage if failed else -1
+                mb = failed.microbatch if failed else -1
+                failure, original = Failed(text, stage, mb, current, self.rank), e
         if failure is not None:
             self._notify(failure)
         self._finish(work, failure, original)
         seconds = time.perf_counter() - start
         assert work is not None
         return work, StepReport(seconds, busy, events, start, work.peak)
+
+    def _silent_peer(self, action: Action, error: Exception) -> Failed:
+        """The failure of a peer that died or fell silent while this rank waited in ``action``
+        (a receive): it names that peer, its stage and the action it had not finished."""
+        assert action.peer is not None
+        peer = self.owners[action.peer]
+        kind = Kind.FORWARD if action.kind is Kind.RECV_F else Kind.BACKWARD
+        owed = Action(action.peer, kind, action.microbatch)
+        what = "output" if kind is Kind.FORWARD else "input gradients"
+        waited = f"in {action} waiting for the {what} of {owed} from rank {peer}"
+        if isinstance(error, TransportTimeout):
+            text = (
+                f"rank {peer} (stage {action.peer}) sent nothing: rank {self.rank} timed out after "
+                f"{self.timeout:.1f} s {waited}; rank {peer} is stuck, far slower than the "
+                f"others, or gone (raise AsyncPipe(timeout=...) if its work really takes that "
+                f"long)"
+            )
+        else:
+            gist = str(error).split(": ", 1)[-1]
+            text = (
+                f"rank {peer} (stage {action.peer}) is gone: rank {self.rank} lost its "
+                f"connection {waited} ({gist}); rank {peer} crashed or was killed, see its own "
+                f"log for the cause"
+            )
+        return Failed(text, action.peer, action.microbatch, str(owed), peer)
 
     def _notify(self, failure: Failed) -> None:
         """Tell every peer that reads from this rank, so nobody waits for us in vain."""
@@ -322,22 +351,27 @@ class Runtime:
                 self.transport.flush(min(self.timeout, _NEWS_SECONDS))
             raise self._raise(failure, original)
         table = [status]
-        try:
-            for peer, pending in statuses.items():
-                message = pending.wait(self.timeout)
+        deadline = time.monotonic() + self.timeout
+        for peer, pending in statuses.items():
+            try:
+                message = pending.wait(max(deadline - time.monotonic(), 0.001))
                 if message.error is not None or not message.tensors:
-                    raise RuntimeError(f"rank {peer} sent no status: {message.error}")
-                tensor = message.tensors[0]
-                assert tensor is not None
-                table.append(tensor.cpu().tolist())
-        except Exception as e:
-            raise StageFailure(
-                f"rank {self.rank} could not learn whether the other ranks finished the step: {e}",
-                rank=self.rank,
-                stage=-1,
-                microbatch=-1,
-                action="",
-            ) from e
+                    raise RuntimeError(f"it sent no status: {message.error}")
+            except Exception as e:
+                stage = self.owners.index(peer)
+                raise StageFailure(
+                    f"rank {peer} (stage {stage}) did not say how its step ended: rank "
+                    f"{self.rank} finished its own work and waited {self.timeout:.1f} s at most "
+                    f"for that news ({e}); rank {peer} crashed, was killed or is stuck after "
+                    f"its last message",
+                    rank=peer,
+                    stage=stage,
+                    microbatch=-1,
+                    action="",
+                ) from e
+            tensor = message.tensors[0]
+            assert tensor is not None
+            table.append(tensor.cpu().tolist())
         broken = [row for row in table if row[1] == _FAILED] or [r for r in table if r[1] != _OK]
         if broken:
             stage, mb, rank = (int(v) for v in broken[0][2:5])
