@@ -14,6 +14,7 @@ from .batchnorm import DeferredBatchNorm, commit_all
 from .failure import StageFailure, StepReport
 from .lazy import LazyModule
 from .microbatch import Tensors, as_tensors, gather, scatter
+from .names import layer_names, rename_loaded, rename_saved
 from .partition import Partition, Segment, partition
 from .runtime import LossFn, Runtime, Work, unwrap
 from .schedule import Action, Kind, Plan
@@ -178,6 +179,16 @@ class AsyncPipe(nn.Module):
                 for layer, count in zip(built, uses)
             ]
         self.layers = nn.ModuleList(built)
+        self.layer_names: list[str] = layer_names(module, len(layers))
+        """The name of every position of the model, in order (``nn.Sequential`` keys, or
+        ``"0"``, ``"1"``, ... for a list): the prefixes of :meth:`state_dict` keys."""
+        self.local_names: list[list[str]] = [[] for _ in built]
+        """For each local layer, the names of the positions where it runs (several for a
+        reused layer); its state is saved under each."""
+        for inv in mine.invocations:
+            self.local_names[inv.this.index].append(self.layer_names[inv.order])
+        self.register_state_dict_post_hook(rename_saved)  # type: ignore[no-untyped-call]
+        self.register_load_state_dict_pre_hook(rename_loaded)  # type: ignore[no-untyped-call]
         local = {
             seg.index: [self.layers[inv.this.index] for inv in seg.invocations]
             for seg in segments
@@ -230,6 +241,23 @@ class AsyncPipe(nn.Module):
     def is_last_stage(self) -> bool:
         """Whether this rank computes the loss (it runs the last layer)."""
         return self.stage == self._last_rank
+
+    # ----- stopping together -------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        """Ask every rank to stop: the end of the next step tells them all (see
+        :attr:`stop_agreed`). Safe to call from a signal handler.
+
+        Example:
+            >>> signal.signal(signal.SIGTERM, lambda *_: pipe.request_stop())  # doctest: +SKIP
+        """
+        self._runtime.stop_requested = True
+
+    @property
+    def stop_agreed(self) -> bool:
+        """Whether any rank had called :meth:`request_stop` when the last step ended; the same
+        on every rank, so all can save and stop at the same step."""
+        return self._runtime.stop_agreed
 
     # ----- running -----------------------------------------------------------------------
 

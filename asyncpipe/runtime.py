@@ -154,6 +154,10 @@ class Runtime:
         self._plans: dict[tuple[int, bool], tuple[list[Action], frozenset[tuple[int, int]]]] = {}
         self._settle: dict[tuple[int, bool], dict[Action, list[Action]]] = {}
         self._statuses: dict[int, PendingRecv] = {}
+        self.stop_requested = False
+        """Set (e.g. by a signal handler) to tell every rank at the end of the step."""
+        self.stop_agreed = False
+        """Whether some rank had asked to stop when the last step ended."""
         self.handlers: dict[Kind, Callable[[Work, Action], None]] = {
             Kind.FORWARD: self.forward,
             Kind.BACKWARD: self.backward,
@@ -333,10 +337,11 @@ class Runtime:
     ) -> None:
         """Tell every rank how this step ended and learn how theirs did: raise if any failed,
         else settle the sends. A failed rank does not wait for the others' news."""
-        status = [work.loss_sum if work else 0.0, _OK, -1.0, -1.0, -1.0]
+        status = [work.loss_sum if work else 0.0, _OK, -1.0, -1.0, -1.0, 0.0]
+        status[5] = float(self.stop_requested)
         if failure is not None:
             status[1] = _RELAYED if failure.relayed else _FAILED
-            status[2:] = [float(failure.stage), float(failure.microbatch), float(failure.rank)]
+            status[2:5] = [float(failure.stage), float(failure.microbatch), float(failure.rank)]
         news = Message(0, 0, (torch.tensor(status, dtype=torch.float64, device=self.device),))
         statuses = self._post_statuses()
         for peer in statuses:
@@ -385,6 +390,7 @@ class Runtime:
             )
         assert work is not None
         work.loss_sum = sum(row[0] for row in table)
+        self.stop_agreed = any(row[5] for row in table)
         self._statuses = {}
         self.transport.flush(self.timeout)
 
