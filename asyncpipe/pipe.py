@@ -16,7 +16,7 @@ from .lazy import LazyModule
 from .microbatch import Tensors, as_tensors, gather, scatter
 from .names import layer_names, rename_loaded, rename_saved
 from .partition import Partition, Segment, partition
-from .runtime import LossFn, Runtime, Work, unwrap
+from .runtime import LossFn, MismatchedBatch, Runtime, Work, unwrap
 from .schedule import Action, Kind, Plan
 from .transport import P2PTransport, Transport
 
@@ -282,6 +282,8 @@ class AsyncPipe(nn.Module):
                 commit_all(self.layers)
         except StageFailure as e:
             self._broken = e
+            raise
+        except MismatchedBatch:  # the step ended cleanly on every rank: nothing is in flight
             raise
         except BaseException as e:
             self._broken = StageFailure(str(e), rank=self.stage, stage=-1, microbatch=-1, action="")

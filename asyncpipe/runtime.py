@@ -89,6 +89,28 @@ class Work:
     peak: int = 0
 
 
+def _rows(pieces: list[Tensors] | None) -> int:
+    """Rows of a scattered batch, or -1 if this rank has none."""
+    return sum(piece[0].shape[0] for piece in pieces) if pieces else -1
+
+
+def _loss_hint(out: Tensors, target: Tensors | None) -> str | None:
+    """The likely cause when the loss of a micro-batch fails, if it is the caller's input."""
+    if target is None:
+        return "the target is None: pass the target to step() on the last stage"
+    rows, wanted = out[0].shape[:1], target[0].shape[:1]
+    if rows and wanted and rows != wanted:
+        return (
+            f"the micro-batch's output has {rows[0]} rows but its target has {wanted[0]}: input "
+            f"and target must have the same batch size"
+        )
+    return None
+
+
+class MismatchedBatch(ValueError):
+    """Input and target had different batch sizes: found when a step ends, on every rank."""
+
+
 class Failed(Exception):
     """Internal: carries what failed, where, for the status exchange."""
 
@@ -339,6 +361,7 @@ class Runtime:
         else settle the sends. A failed rank does not wait for the others' news."""
         status = [work.loss_sum if work else 0.0, _OK, -1.0, -1.0, -1.0, 0.0]
         status[5] = float(self.stop_requested)
+        status += [float(_rows(work.inputs)), float(_rows(work.targets))] if work else [-1.0] * 2
         if failure is not None:
             status[1] = _RELAYED if failure.relayed else _FAILED
             status[2:5] = [float(failure.stage), float(failure.microbatch), float(failure.rank)]
@@ -393,6 +416,14 @@ class Runtime:
         self.stop_agreed = any(row[5] for row in table)
         self._statuses = {}
         self.transport.flush(self.timeout)
+        inputs = {int(row[6]) for row in table if row[6] >= 0}
+        targets = {int(row[7]) for row in table if row[7] >= 0}
+        if inputs and targets and inputs != targets:
+            raise MismatchedBatch(
+                f"input and target must have the same batch size (input: {min(inputs)} rows, "
+                f"target: {min(targets)} rows); the step ran but its loss and gradients mean "
+                f"nothing, so do not apply them: pass a target with one row per input row"
+            )
 
     def _raise(self, failure: Failed, original: BaseException | None) -> BaseException:
         if failure.action == "prepare" and isinstance(original, (TypeError, ValueError)):
@@ -473,7 +504,13 @@ class Runtime:
         out = as_tensors(value, f"the output of stage {seg}")
         if seg == self.last and work.train and work.loss_fn is not None:
             target = None if work.targets is None else unwrap(work.targets[i])
-            loss = work.loss_fn(unwrap(out), target)
+            try:
+                loss = work.loss_fn(unwrap(out), target)
+            except Exception as e:
+                hint = _loss_hint(out, None if work.targets is None else work.targets[i])
+                if hint is None:
+                    raise
+                raise ValueError(f"loss_fn failed ({type(e).__name__}: {e}); {hint}") from e
             if not isinstance(loss, Tensor) or loss.numel() != 1:
                 shape = tuple(loss.shape) if isinstance(loss, Tensor) else ""
                 raise TypeError(
