@@ -11,12 +11,12 @@ from torch import Tensor, nn
 
 from .arguments import check_arguments, plan_factory
 from .batchnorm import DeferredBatchNorm, commit_all
-from .failure import StageFailure, StepReport
+from .failure import MismatchedBatch, StageFailure, StepReport
 from .lazy import LazyModule
 from .microbatch import Tensors, as_tensors, gather, scatter
 from .names import layer_names, rename_loaded, rename_saved
 from .partition import Partition, Segment, partition
-from .runtime import LossFn, MismatchedBatch, Runtime, Work, unwrap
+from .runtime import LossFn, Runtime, Work, unwrap
 from .schedule import Action, Kind, Plan
 from .transport import P2PTransport, Transport
 

@@ -23,7 +23,7 @@ from torch import Tensor
 from torch.autograd.profiler import record_function
 
 from .batchnorm import paused
-from .failure import StageFailure, StepReport
+from .failure import Failed, MismatchedBatch, StageFailure, StepReport, loss_hint
 from .microbatch import Tensors, as_tensors
 from .recompute import RNGState, checkpointed
 from .schedule import Action, Kind, Plan, forward_only, lower, validate
@@ -37,7 +37,6 @@ Grads = tuple[Tensor | None, ...]
 LossFn = Callable[[object, object], Tensor]
 _KINDS = list(Kind)
 _OK, _FAILED, _RELAYED = 0.0, 1.0, 2.0
-_SEPARATOR = "\x1f"
 _NEWS_SECONDS = 2.0  # how long a failed rank waits for its failure notices to be taken
 STATUS_CHANNEL = 1 << 20  # every rank tells every other how its step ended
 _PEER_ERRORS = (TransportTimeout, ConnectionError)  # a receive found its peer silent or gone
@@ -92,57 +91,6 @@ class Work:
 def _rows(pieces: list[Tensors] | None) -> int:
     """Rows of a scattered batch, or -1 if this rank has none."""
     return sum(piece[0].shape[0] for piece in pieces) if pieces else -1
-
-
-def _loss_hint(out: Tensors, target: Tensors | None) -> str | None:
-    """The likely cause when the loss of a micro-batch fails, if it is the caller's input."""
-    if target is None:
-        return "the target is None: pass the target to step() on the last stage"
-    rows, wanted = out[0].shape[:1], target[0].shape[:1]
-    if rows and wanted and rows != wanted:
-        return (
-            f"the micro-batch's output has {rows[0]} rows but its target has {wanted[0]}: input "
-            f"and target must have the same batch size"
-        )
-    return None
-
-
-class MismatchedBatch(ValueError):
-    """Input and target had different batch sizes: found when a step ends, on every rank."""
-
-
-class Failed(Exception):
-    """Internal: carries what failed, where, for the status exchange."""
-
-    def __init__(
-        self,
-        text: str,
-        stage: int,
-        microbatch: int,
-        action: str,
-        rank: int,
-        source: int | None = None,
-    ) -> None:
-        super().__init__(text)
-        self.text, self.stage, self.microbatch = text, stage, microbatch
-        self.action, self.rank, self.source = action, rank, source
-
-    def encode(self) -> str:
-        """The failure as the text of an error message."""
-        fields = [str(self.stage), str(self.microbatch), self.action, str(self.rank), self.text]
-        return _SEPARATOR.join(fields)
-
-    @classmethod
-    def decode(cls, text: str, source: int) -> Failed:
-        parts = text.split(_SEPARATOR, 4)
-        if len(parts) != 5:
-            return cls(text, -1, -1, "", source, source)
-        stage, microbatch, action, rank, message = parts
-        return cls(message, int(stage), int(microbatch), action, int(rank), source)
-
-    @property
-    def relayed(self) -> bool:
-        return self.source is not None
 
 
 class Runtime:
@@ -507,7 +455,7 @@ class Runtime:
             try:
                 loss = work.loss_fn(unwrap(out), target)
             except Exception as e:
-                hint = _loss_hint(out, None if work.targets is None else work.targets[i])
+                hint = loss_hint(out, None if work.targets is None else work.targets[i])
                 if hint is None:
                     raise
                 raise ValueError(f"loss_fn failed ({type(e).__name__}: {e}); {hint}") from e
