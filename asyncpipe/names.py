@@ -63,3 +63,14 @@ def rename_loaded(
             del state[key]
         elif name in where and rest:
             state[f"{prefix}layers.{where[name]}.{rest}"] = state.pop(key)
+
+
+def rename_missing(pipe: nn.Module, keys: Any) -> None:
+    """Load post hook: report missing local keys by the plain model's names, not as
+    ``layers.<k>.<rest>``."""
+    local: list[list[str]] = pipe.local_names  # type: ignore[assignment]
+    for n, key in enumerate(keys.missing_keys):
+        head, _, rest = key.partition("layers.")
+        number, _, tail = rest.partition(".")
+        if number.isdigit() and int(number) < len(local) and local[int(number)]:
+            keys.missing_keys[n] = f"{head}{local[int(number)][0]}.{tail}"

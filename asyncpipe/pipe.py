@@ -14,7 +14,7 @@ from .batchnorm import DeferredBatchNorm, commit_all
 from .failure import MismatchedBatch, StageFailure, StepReport
 from .lazy import LazyModule
 from .microbatch import Tensors, as_tensors, gather, scatter
-from .names import layer_names, rename_loaded, rename_saved
+from .names import layer_names, rename_loaded, rename_missing, rename_saved
 from .partition import Partition, Segment, partition
 from .runtime import LossFn, Runtime, Work, unwrap
 from .schedule import Action, Kind, Plan
@@ -189,6 +189,7 @@ class AsyncPipe(nn.Module):
             self.local_names[inv.this.index].append(self.layer_names[inv.order])
         self.register_state_dict_post_hook(rename_saved)  # type: ignore[no-untyped-call]
         self.register_load_state_dict_pre_hook(rename_loaded)  # type: ignore[no-untyped-call]
+        self.register_load_state_dict_post_hook(rename_missing)  # type: ignore[no-untyped-call]
         local = {
             seg.index: [self.layers[inv.this.index] for inv in seg.invocations]
             for seg in segments

@@ -43,6 +43,12 @@ def test_state_dict_keys_are_the_plain_models() -> None:
         pipe.load_state_dict(plain)  # the whole model's state loads on every stage
         return list(pipe.state_dict())
 
+    def missing(pipe: AsyncPipe, opt: Any, rank: int) -> Any:
+        with pytest.raises(RuntimeError, match='Missing key.*"4.bias"') as info:
+            pipe.load_state_dict({k: v for k, v in plain.items() if k != "4.bias"})
+        assert rank != 1 or "layers." not in str(info.value)
+
+    run([3, 2, 3], lambda pipe, opt, rank: missing(pipe, opt, rank) if rank == 1 else None)
     keys = run([3, 2, 3], job)
     assert keys[0] == ["0.weight", "0.bias", "1.weight", "1.bias", "2.weight", "2.bias"]
     assert keys[1] == ["4.weight", "4.bias"]  # positions 3 (Tanh) and 4

@@ -93,12 +93,14 @@ def batches(draw: st.DrawFn) -> dict[str, Any]:
     rows = draw(st.integers(0, 9))
     dtype = draw(st.sampled_from([torch.float32, torch.float32, torch.float64, torch.int64]))
     x = (torch.arange(rows * 8).reshape(rows, 8) % 7).to(dtype)
-    shape = draw(st.sampled_from(["tensor", "tuple", "list", "pair", "dict", "none", "floats"]))
+    shapes = ["tensor", "tuple", "list", "pair", "nested", "dict", "none", "floats"]
+    shape = draw(st.sampled_from(shapes))
     inputs: Any = {
         "tensor": x,
         "tuple": (x,),
         "list": [x],
         "pair": (x, x),
+        "nested": ((x,), x),
         "dict": {"x": x},
         "none": None,
         "floats": x.tolist(),
