@@ -193,3 +193,16 @@ def test_a_checkpoint_of_another_model_is_refused(tmp_path: Path) -> None:
             checkpoint.load(pipe, None, tmp_path)
 
     values(run_threads(fn, 2))
+
+
+def test_a_stop_asked_on_one_rank_is_agreed_on_every_rank_after_the_step() -> None:
+    def job(pipe: AsyncPipe, opt: Any, rank: int) -> Any:
+        seen = []
+        for step in range(3):
+            if rank == 2 and step == 1:
+                pipe.request_stop()
+            train_step(pipe, opt, step)
+            seen.append(pipe.stop_agreed)
+        return seen
+
+    assert run([3, 2, 3], job) == [[False, True, True]] * 3
