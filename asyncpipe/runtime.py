@@ -88,6 +88,15 @@ class Work:
     peak: int = 0
 
 
+def _kind_code(action: str) -> int:
+    """The index in ``Kind`` of a compute action's kind, or -1 if ``action`` is not one."""
+    try:
+        kind = Action.parse(action).kind
+    except ValueError:
+        return -1
+    return _KINDS.index(kind) if kind.is_compute else -1
+
+
 def _rows(pieces: list[Tensors] | None) -> int:
     """Rows of a scattered batch, or -1 if this rank has none."""
     return sum(piece[0].shape[0] for piece in pieces) if pieces else -1
@@ -307,12 +316,15 @@ class Runtime:
     ) -> None:
         """Tell every rank how this step ended and learn how theirs did: raise if any failed,
         else settle the sends. A failed rank does not wait for the others' news."""
-        status = [work.loss_sum if work else 0.0, _OK, -1.0, -1.0, -1.0, 0.0]
-        status[5] = float(self.stop_requested)
-        status += [float(_rows(work.inputs)), float(_rows(work.targets))] if work else [-1.0] * 2
+        # loss, outcome, failed stage, micro-batch, rank, stop asked, input rows, target
+        # rows, failed action's kind (-1: none or unknown)
+        status = [work.loss_sum if work else 0.0, _OK, -1.0, -1.0, -1.0]
         if failure is not None:
             status[1] = _RELAYED if failure.relayed else _FAILED
             status[2:5] = [float(failure.stage), float(failure.microbatch), float(failure.rank)]
+        status.append(float(self.stop_requested))
+        status += [float(_rows(work.inputs)), float(_rows(work.targets))] if work else [-1.0] * 2
+        status.append(float(_kind_code(failure.action)) if failure is not None else -1.0)
         news = Message(0, 0, (torch.tensor(status, dtype=torch.float64, device=self.device),))
         statuses = self._post_statuses()
         for peer in statuses:
@@ -350,14 +362,16 @@ class Runtime:
             table.append(tensor.cpu().tolist())
         broken = [row for row in table if row[1] == _FAILED] or [r for r in table if r[1] != _OK]
         if broken:
-            stage, mb, rank = (int(v) for v in broken[0][2:5])
+            stage, mb, rank, code = (int(v) for v in broken[0][2:5] + broken[0][8:9])
+            action = str(Action(stage, _KINDS[code], mb)) if code >= 0 and stage >= 0 else ""
+            where = f"in {action} (micro-batch {mb})" if action else f"at micro-batch {mb}"
             raise StageFailure(
-                f"stage {stage} failed at micro-batch {mb} on rank {rank} (see that rank's "
-                f"error for the cause); rank {self.rank} finished its own work",
+                f"stage {stage} failed {where} on rank {rank} (see that rank's error for the "
+                f"cause); rank {self.rank} finished its own work",
                 rank=rank,
                 stage=stage,
                 microbatch=mb,
-                action="",
+                action=action,
             )
         assert work is not None
         work.loss_sum = sum(row[0] for row in table)

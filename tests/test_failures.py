@@ -26,7 +26,7 @@ def report(ended: Ended) -> dict[str, Any]:
 # mode -> (failed rank, words the failed rank's own error has, words every other rank's has)
 CASES = {
     "forward": (1, "injected forward failure", "stage 1 failed in 1F1"),
-    "backward": (1, "injected backward failure", "stage 1 failed"),
+    "backward": (1, "injected backward failure", "stage 1 failed in 1B1 (micro-batch 1)"),
     "loss": (2, "injected loss failure", "stage 2 failed in 2F1"),
     "optimizer": (1, "injected optimizer hook failure", "rank 1 (stage 1) is gone"),
     "kill": (1, None, "rank 1 (stage 1) is gone"),
