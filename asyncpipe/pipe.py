@@ -66,7 +66,10 @@ class AsyncPipe(nn.Module):
 
     Every process of the pipeline builds ``AsyncPipe`` with the same arguments; each keeps only
     the layers of its own stage (the caller's objects, not copies) and runs the plan of its
-    rank, streaming ``chunks`` micro-batches through the stages.
+    rank, streaming ``chunks`` micro-batches through the stages. ``state_dict()`` holds this
+    rank's layers under the plain model's names (``"3.weight"``), and ``load_state_dict()``
+    takes them from any dict with those names, the whole model's included (see
+    :mod:`asyncpipe.checkpoint` to save and load every rank at once).
 
     Args:
         module: an ``nn.Sequential``, or a list of ``nn.Module`` / ``LazyModule`` (built only
