@@ -62,7 +62,7 @@ def test_elastic_restart_goes_on_from_the_last_checkpoint(tmp_path: Path) -> Non
         "torch.distributed.run",
         "--standalone",
         "--nproc-per-node=2",
-        "--max-restarts=1",
+        "--max-restarts=3",  # a restart's own start-up may fail to connect under heavy load
         "--monitor-interval=0.2",
         JOB,
         str(ckpt),
@@ -77,9 +77,9 @@ def test_elastic_restart_goes_on_from_the_last_checkpoint(tmp_path: Path) -> Non
     assert done.returncode == 0, done.stderr[-4000:]
     rows = read_log(log)
     first = [s for a, s, _ in rows if a == 0]
-    second = [s for a, s, _ in rows if a == 1]
+    later = [s for a, s, _ in rows if a > 0]
     assert first == [0, 1, 2, 3, 4]  # killed before step 5
-    assert second == [4, 5, 6, 7]  # from the checkpoint of step 4: step 4 again, then on
+    assert later == [4, 5, 6, 7]  # from the checkpoint of step 4: step 4 again, then on
     final = {s: loss for _, s, loss in rows}  # the last run of each step
     assert [final[s] for s in range(STEPS)] == pytest.approx(uninterrupted(), rel=1e-6)
     assert [loss for a, s, loss in rows if s == 4] == pytest.approx([final[4]] * 2, rel=1e-6)
