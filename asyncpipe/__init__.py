@@ -7,7 +7,7 @@ Example:
     >>> loss = pipe.step(x, y, loss_fn)                                    # doctest: +SKIP
 """
 
-from . import partition, schedule, transport
+from . import checkpoint, partition, schedule, transport
 from .batchnorm import DeferredBatchNorm
 from .failure import StageFailure, StepReport
 from .group import init, shutdown
@@ -22,6 +22,7 @@ __all__ = [
     "LazyModule",
     "StageFailure",
     "StepReport",
+    "checkpoint",
     "init",
     "shutdown",
     "partition",

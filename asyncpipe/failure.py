@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .microbatch import Tensors
+
 __all__ = ["StageFailure", "StepReport"]
+
+_SEPARATOR = "\x1f"
 
 
 class StageFailure(RuntimeError):
@@ -45,3 +49,54 @@ class StepReport:
     def idle_fraction(self) -> float:
         """Share of the step this rank spent not computing (waiting, sending, bubbles)."""
         return 0.0 if self.seconds <= 0 else max(0.0, 1.0 - self.busy_seconds / self.seconds)
+
+
+def loss_hint(out: Tensors, target: Tensors | None) -> str | None:
+    """The likely cause when the loss of a micro-batch fails, if it is the caller's input."""
+    if target is None:
+        return "the target is None: pass the target to step() on the last stage"
+    rows, wanted = out[0].shape[:1], target[0].shape[:1]
+    if rows and wanted and rows != wanted:
+        return (
+            f"the micro-batch's output has {rows[0]} rows but its target has {wanted[0]}: input "
+            f"and target must have the same batch size"
+        )
+    return None
+
+
+class MismatchedBatch(ValueError):
+    """Input and target had different batch sizes: found when a step ends, on every rank."""
+
+
+class Failed(Exception):
+    """Internal: carries what failed, where, for the status exchange."""
+
+    def __init__(
+        self,
+        text: str,
+        stage: int,
+        microbatch: int,
+        action: str,
+        rank: int,
+        source: int | None = None,
+    ) -> None:
+        super().__init__(text)
+        self.text, self.stage, self.microbatch = text, stage, microbatch
+        self.action, self.rank, self.source = action, rank, source
+
+    def encode(self) -> str:
+        """The failure as the text of an error message."""
+        fields = [str(self.stage), str(self.microbatch), self.action, str(self.rank), self.text]
+        return _SEPARATOR.join(fields)
+
+    @classmethod
+    def decode(cls, text: str, source: int) -> Failed:
+        parts = text.split(_SEPARATOR, 4)
+        if len(parts) != 5:
+            return cls(text, -1, -1, "", source, source)
+        stage, microbatch, action, rank, message = parts
+        return cls(message, int(stage), int(microbatch), action, int(rank), source)
+
+    @property
+    def relayed(self) -> bool:
+        return self.source is not None

@@ -12,9 +12,10 @@ from torch import Tensor, nn
 
 from .arguments import check_arguments, plan_factory
 from .batchnorm import DeferredBatchNorm, commit_all
-from .failure import StageFailure, StepReport
+from .failure import MismatchedBatch, StageFailure, StepReport
 from .lazy import LazyModule
 from .microbatch import Tensors, as_tensors, gather, scatter
+from .names import layer_names, rename_loaded, rename_missing, rename_saved
 from .parallel import GradientAverager, Layout, groups
 from .partition import Partition, Segment, partition
 from .precision import DTYPES, LossScaler, all_finite, drop_, unscale_
@@ -103,7 +104,10 @@ class AsyncPipe(nn.Module):
 
     Every process of the pipeline builds ``AsyncPipe`` with the same arguments; each keeps only
     the layers of its own stage (the caller's objects, not copies) and runs the plan of its
-    rank, streaming ``chunks`` micro-batches through the stages.
+    rank, streaming ``chunks`` micro-batches through the stages. ``state_dict()`` holds this
+    rank's layers under the plain model's names (``"3.weight"``), and ``load_state_dict()``
+    takes them from any dict with those names, the whole model's included (see
+    :mod:`asyncpipe.checkpoint` to save and load every rank at once).
 
     Args:
         module: an ``nn.Sequential``, or a list of ``nn.Module`` / ``LazyModule`` (built only
@@ -280,6 +284,17 @@ class AsyncPipe(nn.Module):
                 for layer, count in zip(built, uses)
             ]
         self.layers = nn.ModuleList(built)
+        self.layer_names: list[str] = layer_names(module, len(layers))
+        """The name of every position of the model, in order (``nn.Sequential`` keys, or
+        ``"0"``, ``"1"``, ... for a list): the prefixes of :meth:`state_dict` keys."""
+        self.local_names: list[list[str]] = [[] for _ in built]
+        """For each local layer, the names of the positions where it runs (several for a
+        reused layer); its state is saved under each."""
+        for inv in mine.invocations:
+            self.local_names[inv.this.index].append(self.layer_names[inv.order])
+        self.register_state_dict_post_hook(rename_saved)  # type: ignore[no-untyped-call]
+        self.register_load_state_dict_pre_hook(rename_loaded)  # type: ignore[no-untyped-call]
+        self.register_load_state_dict_post_hook(rename_missing)  # type: ignore[no-untyped-call]
         local = {
             seg.index: [self.layers[inv.this.index] for inv in seg.invocations]
             for seg in segments
@@ -340,6 +355,23 @@ class AsyncPipe(nn.Module):
         """Whether this rank computes the loss (it runs the last layer)."""
         return self.stage == self._last_rank
 
+    # ----- stopping together -------------------------------------------------------------
+
+    def request_stop(self) -> None:
+        """Ask every rank to stop: the end of the next step tells them all (see
+        :attr:`stop_agreed`). Safe to call from a signal handler.
+
+        Example:
+            >>> signal.signal(signal.SIGTERM, lambda *_: pipe.request_stop())  # doctest: +SKIP
+        """
+        self._runtime.stop_requested = True
+
+    @property
+    def stop_agreed(self) -> bool:
+        """Whether any rank had called :meth:`request_stop` when the last step ended; the same
+        on every rank, so all can save and stop at the same step."""
+        return self._runtime.stop_agreed
+
     # ----- running -----------------------------------------------------------------------
 
     def _guard(self) -> None:
@@ -363,6 +395,8 @@ class AsyncPipe(nn.Module):
                 commit_all(self.layers)
         except StageFailure as e:
             self._broken = e
+            raise
+        except MismatchedBatch:  # the step ended cleanly on every rank: nothing is in flight
             raise
         except BaseException as e:
             self._broken = StageFailure(str(e), rank=self.stage, stage=-1, microbatch=-1, action="")

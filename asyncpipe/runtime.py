@@ -24,7 +24,7 @@ from torch import Tensor
 from torch.autograd.profiler import record_function
 
 from .batchnorm import paused
-from .failure import StageFailure, StepReport
+from .failure import Failed, MismatchedBatch, StageFailure, StepReport, loss_hint
 from .microbatch import Tensors, as_tensors
 from .recompute import RNGState, checkpointed
 from .schedule import Action, Kind, Plan, forward_only, lower, validate
@@ -33,7 +33,7 @@ from .skip.namespace import SkipKey
 from .skip.routes import SkipRoutes
 from .skip.tracker import SkipTracker, use
 from .split import LayerRun, input_backward, run_cut, weight_backward
-from .transport import Message, PendingRecv, Transport
+from .transport import Message, PendingRecv, Transport, TransportTimeout
 
 __all__: list[str] = []
 
@@ -42,10 +42,10 @@ Skips = dict[SkipKey, Tensor | None]
 LossFn = Callable[[object, object], Tensor]
 _KINDS = list(Kind)
 _OK, _FAILED, _RELAYED = 0.0, 1.0, 2.0
-_SEPARATOR = "\x1f"
 _NEWS_SECONDS = 2.0  # how long a failed rank waits for its failure notices to be taken
 STATUS_CHANNEL = 1 << 20  # every rank tells every other how its step ended
 EXCHANGE_CHANNEL = STATUS_CHANNEL + 1  # small all-to-all exchanges between steps
+_PEER_ERRORS = (TransportTimeout, ConnectionError)  # a receive found its peer silent or gone
 
 
 def unwrap(tensors: Tensors) -> object:
@@ -103,38 +103,18 @@ class Work:
     peak: int = 0
 
 
-class Failed(Exception):
-    """Internal: carries what failed, where, for the status exchange."""
+def _kind_code(action: str) -> int:
+    """The index in ``Kind`` of a compute action's kind, or -1 if ``action`` is not one."""
+    try:
+        kind = Action.parse(action).kind
+    except ValueError:
+        return -1
+    return _KINDS.index(kind) if kind.is_compute else -1
 
-    def __init__(
-        self,
-        text: str,
-        stage: int,
-        microbatch: int,
-        action: str,
-        rank: int,
-        source: int | None = None,
-    ) -> None:
-        super().__init__(text)
-        self.text, self.stage, self.microbatch = text, stage, microbatch
-        self.action, self.rank, self.source = action, rank, source
 
-    def encode(self) -> str:
-        """The failure as the text of an error message."""
-        fields = [str(self.stage), str(self.microbatch), self.action, str(self.rank), self.text]
-        return _SEPARATOR.join(fields)
-
-    @classmethod
-    def decode(cls, text: str, source: int) -> Failed:
-        parts = text.split(_SEPARATOR, 4)
-        if len(parts) != 5:
-            return cls(text, -1, -1, "", source, source)
-        stage, microbatch, action, rank, message = parts
-        return cls(message, int(stage), int(microbatch), action, int(rank), source)
-
-    @property
-    def relayed(self) -> bool:
-        return self.source is not None
+def _rows(pieces: list[Tensors] | None) -> int:
+    """Rows of a scattered batch, or -1 if this rank has none."""
+    return sum(piece[0].shape[0] for piece in pieces) if pieces else -1
 
 
 class Runtime:
@@ -174,6 +154,10 @@ class Runtime:
         self.after_backward: Callable[[], None] | None = None
         """Called right after this rank's last backward action of a training step (e.g. to
         start averaging gradients while the rest of the pipeline finishes)."""
+        self.stop_requested = False
+        """Set (e.g. by a signal handler) to tell every rank at the end of the step."""
+        self.stop_agreed = False
+        """Whether some rank had asked to stop when the last step ended."""
         self.handlers: dict[Kind, Callable[[Work, Action], None]] = {
             Kind.FORWARD: self.forward,
             Kind.BACKWARD: self.backward,
@@ -302,7 +286,9 @@ class Runtime:
             failure, original = e, e
         except Exception as e:
             failed = Action.parse(current) if current not in ("", "prepare") else None
-            if failed is not None:
+            if failed is not None and failed.kind.is_recv and isinstance(e, _PEER_ERRORS):
+                failure, original = self._silent_peer(failed, e), e
+            elif failed is not None:
                 text = (
                     f"stage {failed.stage} failed in {current} (micro-batch "
                     f"{failed.microbatch}) on rank {self.rank}: {type(e).__name__}: {e}"
@@ -311,15 +297,41 @@ class Runtime:
                 text = f"rank {self.rank} rejected its arguments: {type(e).__name__}: {e}"
             else:
                 text = f"rank {self.rank} failed before its first action: {type(e).__name__}: {e}"
-            stage = failed.stage if failed else -1
-            mb = failed.microbatch if failed else -1
-            failure, original = Failed(text, stage, mb, current, self.rank), e
+            if failure is None:
+                stage = failed.stage if failed else -1
+                mb = failed.microbatch if failed else -1
+                failure, original = Failed(text, stage, mb, current, self.rank), e
         if failure is not None:
             self._notify(failure)
         self._finish(work, failure, original)
         seconds = time.perf_counter() - start
         assert work is not None
         return work, StepReport(seconds, busy, events, start, work.peak)
+
+    def _silent_peer(self, action: Action, error: Exception) -> Failed:
+        """The failure of a peer that died or fell silent while this rank waited in ``action``
+        (a receive): it names that peer, its stage and the action it had not finished."""
+        assert action.peer is not None
+        peer = self.owners[action.peer]
+        kind = Kind.FORWARD if action.kind is Kind.RECV_F else Kind.BACKWARD
+        owed = Action(action.peer, kind, action.microbatch)
+        what = "output" if kind is Kind.FORWARD else "input gradients"
+        waited = f"in {action} waiting for the {what} of {owed} from rank {peer}"
+        if isinstance(error, TransportTimeout):
+            text = (
+                f"rank {peer} (stage {action.peer}) sent nothing: rank {self.rank} timed out after "
+                f"{self.timeout:.1f} s {waited}; rank {peer} is stuck, far slower than the "
+                f"others, or gone (raise AsyncPipe(timeout=...) if its work really takes that "
+                f"long)"
+            )
+        else:
+            gist = str(error).split(": ", 1)[-1]
+            text = (
+                f"rank {peer} (stage {action.peer}) is gone: rank {self.rank} lost its "
+                f"connection {waited} ({gist}); rank {peer} crashed or was killed, see its own "
+                f"log for the cause"
+            )
+        return Failed(text, action.peer, action.microbatch, str(owed), peer)
 
     def _notify(self, failure: Failed) -> None:
         """Tell every peer that reads from this rank, so nobody waits for us in vain."""
@@ -340,10 +352,15 @@ class Runtime:
     ) -> None:
         """Tell every rank how this step ended and learn how theirs did: raise if any failed,
         else settle the sends. A failed rank does not wait for the others' news."""
+        # loss, outcome, failed stage, micro-batch, rank, stop asked, input rows, target
+        # rows, failed action's kind (-1: none or unknown)
         status = [work.loss_sum if work else 0.0, _OK, -1.0, -1.0, -1.0]
         if failure is not None:
             status[1] = _RELAYED if failure.relayed else _FAILED
-            status[2:] = [float(failure.stage), float(failure.microbatch), float(failure.rank)]
+            status[2:5] = [float(failure.stage), float(failure.microbatch), float(failure.rank)]
+        status.append(float(self.stop_requested))
+        status += [float(_rows(work.inputs)), float(_rows(work.targets))] if work else [-1.0] * 2
+        status.append(float(_kind_code(failure.action)) if failure is not None else -1.0)
         news = Message(0, 0, (torch.tensor(status, dtype=torch.float64, device=self.device),))
         statuses = self._post_statuses()
         for peer in statuses:
@@ -358,37 +375,53 @@ class Runtime:
                 self.transport.flush(min(self.timeout, _NEWS_SECONDS))
             raise self._raise(failure, original)
         table = [status]
-        try:
-            for peer, pending in statuses.items():
-                message = pending.wait(self.timeout)
+        deadline = time.monotonic() + self.timeout
+        for peer, pending in statuses.items():
+            try:
+                message = pending.wait(max(deadline - time.monotonic(), 0.001))
                 if message.error is not None or not message.tensors:
-                    raise RuntimeError(f"rank {peer} sent no status: {message.error}")
-                tensor = message.tensors[0]
-                assert tensor is not None
-                table.append(tensor.cpu().tolist())
-        except Exception as e:
-            raise StageFailure(
-                f"rank {self.rank} could not learn whether the other ranks finished the step: {e}",
-                rank=self.rank,
-                stage=-1,
-                microbatch=-1,
-                action="",
-            ) from e
+                    raise RuntimeError(f"it sent no status: {message.error}")
+            except Exception as e:
+                stage = self.owners.index(peer)
+                raise StageFailure(
+                    f"rank {peer} (stage {stage}) did not say how its step ended: rank "
+                    f"{self.rank} finished its own work and waited {self.timeout:.1f} s at most "
+                    f"for that news ({e}); rank {peer} crashed, was killed or is stuck after "
+                    f"its last message",
+                    rank=peer,
+                    stage=stage,
+                    microbatch=-1,
+                    action="",
+                ) from e
+            tensor = message.tensors[0]
+            assert tensor is not None
+            table.append(tensor.cpu().tolist())
         broken = [row for row in table if row[1] == _FAILED] or [r for r in table if r[1] != _OK]
         if broken:
-            stage, mb, rank = (int(v) for v in broken[0][2:5])
+            stage, mb, rank, code = (int(v) for v in broken[0][2:5] + broken[0][8:9])
+            action = str(Action(stage, _KINDS[code], mb)) if code >= 0 and stage >= 0 else ""
+            where = f"in {action} (micro-batch {mb})" if action else f"at micro-batch {mb}"
             raise StageFailure(
-                f"stage {stage} failed at micro-batch {mb} on rank {rank} (see that rank's "
-                f"error for the cause); rank {self.rank} finished its own work",
+                f"stage {stage} failed {where} on rank {rank} (see that rank's error for the "
+                f"cause); rank {self.rank} finished its own work",
                 rank=rank,
                 stage=stage,
                 microbatch=mb,
-                action="",
+                action=action,
             )
         assert work is not None
         work.loss_sum = sum(row[0] for row in table)
+        self.stop_agreed = any(row[5] for row in table)
         self._statuses = {}
         self.transport.flush(self.timeout)
+        inputs = {int(row[6]) for row in table if row[6] >= 0}
+        targets = {int(row[7]) for row in table if row[7] >= 0}
+        if inputs and targets and inputs != targets:
+            raise MismatchedBatch(
+                f"input and target must have the same batch size (input: {min(inputs)} rows, "
+                f"target: {min(targets)} rows); the step ran but its loss and gradients mean "
+                f"nothing, so do not apply them: pass a target with one row per input row"
+            )
 
     def _raise(self, failure: Failed, original: BaseException | None) -> BaseException:
         if failure.action == "prepare" and isinstance(original, (TypeError, ValueError)):
@@ -517,7 +550,13 @@ class Runtime:
         out = as_tensors(value, f"the output of stage {seg}")
         if seg == self.last and work.train and work.loss_fn is not None:
             target = None if work.targets is None else unwrap(work.targets[i])
-            loss = work.loss_fn(unwrap(out), target)
+            try:
+                loss = work.loss_fn(unwrap(out), target)
+            except Exception as e:
+                hint = loss_hint(out, None if work.targets is None else work.targets[i])
+                if hint is None:
+                    raise
+                raise ValueError(f"loss_fn failed ({type(e).__name__}: {e}); {hint}") from e
             if not isinstance(loss, Tensor) or loss.numel() != 1:
                 shape = tuple(loss.shape) if isinstance(loss, Tensor) else ""
                 raise TypeError(

@@ -18,6 +18,7 @@ separate and each receive is posted only when it is due.
 from __future__ import annotations
 
 import datetime
+import re
 import time
 from collections.abc import Sequence
 
@@ -137,6 +138,13 @@ def _error_text(fields: Sequence[int]) -> str:
     return data[:size].decode("utf-8", "replace") or "unknown failure"
 
 
+def _gist(text: str) -> str:
+    """The backend's own words from an error: its first line without the source location and
+    the generic advice that follows."""
+    line = re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", text.splitlines()[0] if text else "")
+    return line.split(". This is typically")[0].strip() or "unknown error"
+
+
 class _P2PRecv(PendingRecv):
     def __init__(self, transport: P2PTransport, src: int, channel: int, slot: int) -> None:
         self.transport, self.src, self.channel, self.slot = transport, src, channel, slot
@@ -160,7 +168,7 @@ class _P2PRecv(PendingRecv):
                     f"if its work really takes longer)"
                 ) from e
             raise ConnectionError(
-                f"rank {me} lost rank {self.src} while waiting for {what}: {text.splitlines()[0]}"
+                f"rank {me} lost rank {self.src} while waiting for {what}: {_gist(text)}"
             ) from e
 
     def wait(self, timeout: float) -> Message:

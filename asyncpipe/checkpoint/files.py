@@ -1,0 +1,368 @@
+"""Checkpoint files: one file per stage plus a manifest, written so that a crash never leaves a
+checkpoint that looks complete, and read back onto any balance or number of stages.
+
+A checkpoint is a directory on a filesystem every rank sees::
+
+    ckpt/manifest.json          step, layer names, balance, schedule, which file has which layers
+    ckpt/stage0.step120.pt      rank 0's layers (keys as in the plain model) and optimizer state
+    ckpt/stage1.step120.pt      ...
+
+Every rank writes its file under a temporary name and renames it into place; then it tells
+rank 0, which writes the manifest (again through a rename) only once every rank succeeded, and
+removes the files of older checkpoints. The manifest names the files of its step, so until the
+new manifest is in place the old one still describes a complete, consistent set of files.
+
+Model state is stored under the plain model's names (``"3.weight"`` for position 3 of an
+``nn.Sequential``), optimizer state per parameter name, so :func:`load` can pick the layers a
+rank owns from any set of files: a checkpoint of 4 stages loads onto 2, or onto the plain model
+through :func:`consolidate`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..pipe import AsyncPipe
+from ..transport import Message
+
+__all__: list[str] = []
+
+MANIFEST = "manifest.json"
+FORMAT = 1
+CHANNEL = (1 << 20) + 1  # saves report to rank 0 on this channel, and rank 0 answers on it
+_FILE = re.compile(r"stage(\d+)\.step(\d+)\.pt$")
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a complete checkpoint holds.
+
+    Attributes:
+        step: the step given to :func:`save` (steps finished when it was taken).
+        layers: the name of every position of the model, in order.
+        balance: the balance of the pipeline that saved it.
+        schedule: its schedule name (``"custom"`` for a plan given as data).
+        chunks: its micro-batches per mini-batch.
+        files: for each stage file, the names of the positions whose state it holds.
+        optimizer: the optimizer's class name, or ``""`` if none was saved.
+        extra: the JSON value rank 0 passed to :func:`save` as ``extra``.
+    """
+
+    step: int
+    layers: tuple[str, ...]
+    balance: tuple[int, ...]
+    schedule: str
+    chunks: int
+    files: Mapping[str, tuple[str, ...]]
+    optimizer: str
+    extra: Any = None
+
+
+def read_manifest(path: str | os.PathLike[str]) -> Manifest:
+    """The manifest of the checkpoint in directory ``path``.
+
+    Raises:
+        FileNotFoundError: if ``path`` holds no complete checkpoint.
+
+    Example:
+        >>> asyncpipe.checkpoint.read_manifest("ckpt").step  # doctest: +SKIP
+        120
+    """
+    where = os.path.join(os.fspath(path), MANIFEST)
+    if not os.path.exists(where):
+        raise FileNotFoundError(
+            f"no complete checkpoint in {os.fspath(path)!r} (it has no {MANIFEST}: nothing was "
+            f"saved there, or the first save did not finish); save one with "
+            f"asyncpipe.checkpoint.save(pipe, optimizer, path, step=...)"
+        )
+    with open(where) as f:
+        data = json.load(f)
+    if data.get("format") != FORMAT:
+        raise ValueError(
+            f"{where} has format {data.get('format')!r}, this version reads format {FORMAT}"
+        )
+    return Manifest(
+        step=int(data["step"]),
+        layers=tuple(data["layers"]),
+        balance=tuple(data["balance"]),
+        schedule=str(data["schedule"]),
+        chunks=int(data["chunks"]),
+        files={name: tuple(layers) for name, layers in data["files"].items()},
+        optimizer=str(data["optimizer"]),
+        extra=data.get("extra"),
+    )
+
+
+def _write_atomically(where: str, write: Any) -> None:
+    """``write(file)`` into a temporary file next to ``where``, synced, then renamed over it."""
+    temporary = f"{where}.tmp{os.getpid()}"
+    try:
+        with open(temporary, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, where)
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+
+
+def _parameter_names(pipe: AsyncPipe) -> dict[int, str]:
+    """id of each local parameter -> its name in the plain model (first position)."""
+    names: dict[int, str] = {}
+    for index, layer in enumerate(pipe.layers):
+        for rest, param in layer.named_parameters():
+            names.setdefault(id(param), f"{pipe.local_names[index][0]}.{rest}")
+    return names
+
+
+def _optimizer_state(pipe: AsyncPipe, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's state dict with parameters named as in the plain model."""
+    names = _parameter_names(pipe)
+    foreign = [
+        tuple(p.shape) for g in optimizer.param_groups for p in g["params"] if id(p) not in names
+    ]
+    if foreign:
+        raise ValueError(
+            f"the optimizer must hold only this stage's parameters, but {len(foreign)} are not "
+            f"this stage's (shapes {foreign[:4]}); build it over pipe.parameters()"
+        )
+    saved = optimizer.state_dict()
+    state: dict[str, Any] = {}
+    groups = []
+    for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
+        params = [names[id(p)] for p in group["params"]]
+        for name, index in zip(params, saved_group["params"]):
+            if index in saved["state"]:
+                state[name] = saved["state"][index]
+        groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": params})
+    return {"state": state, "param_groups": groups}
+
+
+def _exchange(pipe: AsyncPipe, error: str | None) -> str | None:
+    """Every rank tells rank 0 how its part went; rank 0 answers with the verdict. Returns the
+    first problem reported (rank 0 adds its own), or None when all went well."""
+    transport, timeout = pipe.transport, pipe.timeout
+    ok = (torch.zeros(1),)
+    if transport.rank != 0:
+        transport.send(0, CHANNEL, Message(0, 1, ok, error=error))
+        answer = transport.recv(0, CHANNEL).wait(timeout)
+        transport.flush(timeout)
+        return answer.error
+    problems = [f"rank 0: {error}"] if error else []
+    for peer in range(1, transport.world_size):
+        try:
+            message = transport.recv(peer, CHANNEL).wait(timeout)
+        except Exception as e:
+            problems.append(f"rank {peer}: no answer ({e})")
+            continue
+        if message.error is not None:
+            problems.append(f"rank {peer}: {message.error}")
+    return "; ".join(problems) or None
+
+
+def _answer(pipe: AsyncPipe, verdict: str | None) -> None:
+    """Rank 0 tells every other rank the verdict of :func:`_exchange`."""
+    transport = pipe.transport
+    for peer in range(1, transport.world_size):
+        try:
+            transport.send(peer, CHANNEL, Message(0, 1, (torch.zeros(1),), error=verdict))
+        except Exception:  # noqa: S112 - a rank that is gone learns nothing, and needs nothing
+            continue
+    transport.flush(pipe.timeout)
+
+
+def save(
+    pipe: AsyncPipe,
+    optimizer: torch.optim.Optimizer | None,
+    path: str | os.PathLike[str],
+    *,
+    step: int,
+    extra: Any = None,
+) -> None:
+    """Save the pipeline (and optimizer) of every rank into directory ``path``.
+
+    Call it on every rank at the same point, between steps. It returns once the checkpoint is
+    complete on every rank; a checkpoint of an earlier step in ``path`` stays valid until then
+    and is removed after.
+
+    Args:
+        pipe: this rank's pipeline.
+        optimizer: an optimizer over ``pipe.parameters()``, or None.
+        path: a directory every rank can write (created if missing).
+        step: the number of steps finished, returned by :func:`load`.
+        extra: a JSON value stored from rank 0 (e.g. the position of the data loader).
+
+    Raises:
+        RuntimeError: on every rank, if any rank could not write its file (the old
+            checkpoint, if any, is left in place).
+
+    Example:
+        >>> asyncpipe.checkpoint.save(pipe, optimizer, "ckpt", step=step)  # doctest: +SKIP
+    """
+    directory = os.fspath(path)
+    rank = pipe.transport.rank
+    name = f"stage{rank}.step{int(step)}.pt"
+    error = None
+    try:
+        os.makedirs(directory, exist_ok=True)
+        content = {
+            "format": FORMAT,
+            "step": int(step),
+            "model": pipe.state_dict(),
+            "optimizer": None if optimizer is None else _optimizer_state(pipe, optimizer),
+        }
+        _write_atomically(os.path.join(directory, name), lambda f: torch.save(content, f))
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    verdict = _exchange(pipe, error)
+    if rank == 0:
+        if verdict is None:
+            try:
+                _write_manifest(pipe, optimizer, directory, int(step), extra)
+            except Exception as e:
+                verdict = f"rank 0 could not write the manifest: {type(e).__name__}: {e}"
+        _answer(pipe, verdict)
+    if verdict is not None:
+        raise RuntimeError(
+            f"the checkpoint of step {step} in {directory!r} was not saved ({verdict}); the "
+            f"previous checkpoint there, if any, is still complete"
+        )
+
+
+def _write_manifest(
+    pipe: AsyncPipe,
+    optimizer: torch.optim.Optimizer | None,
+    directory: str,
+    step: int,
+    extra: Any,
+) -> None:
+    files = {}
+    for part in pipe.partitions:
+        names = [pipe.layer_names[inv.order] for inv in part.invocations]
+        files[f"stage{part.stage}.step{step}.pt"] = names
+    manifest = {
+        "format": FORMAT,
+        "step": step,
+        "layers": pipe.layer_names,
+        "balance": pipe.balance,
+        "schedule": pipe.schedule if isinstance(pipe.schedule, str) else "custom",
+        "chunks": pipe.chunks,
+        "files": files,
+        "optimizer": "" if optimizer is None else type(optimizer).__name__,
+        "extra": extra,
+    }
+    text = json.dumps(manifest, indent=1).encode()
+    _write_atomically(os.path.join(directory, MANIFEST), lambda f: f.write(text))
+    for entry in os.listdir(directory):  # files of older checkpoints, or of failed saves
+        if _FILE.match(entry) and entry not in files:
+            os.remove(os.path.join(directory, entry))
+
+
+def _read(directory: str, names: set[str], manifest: Manifest) -> list[dict[str, Any]]:
+    """The contents of the stage files that hold any of the layers ``names``."""
+    out = []
+    for file, layers in manifest.files.items():
+        if names & set(layers):
+            content = torch.load(os.path.join(directory, file), map_location="cpu")
+            if content.get("step") != manifest.step:
+                raise ValueError(
+                    f"{file} in {directory!r} holds step {content.get('step')} but the manifest "
+                    f"says step {manifest.step}; the checkpoint was changed by hand"
+                )
+            out.append(content)
+    return out
+
+
+def load(
+    pipe: AsyncPipe,
+    optimizer: torch.optim.Optimizer | None,
+    path: str | os.PathLike[str],
+) -> Manifest:
+    """Load the checkpoint in ``path`` into this rank's pipeline (and optimizer).
+
+    The checkpoint may come from a pipeline with another balance or number of stages: each rank
+    reads the files that hold its layers. Call it on every rank after building ``pipe`` and the
+    optimizer (over ``pipe.parameters()``), before the first step.
+
+    Returns:
+        the checkpoint's manifest: ``manifest.step`` is the step to go on from.
+
+    Raises:
+        FileNotFoundError: if ``path`` holds no complete checkpoint.
+        ValueError: if it is of another model (other layers), or of another optimizer.
+
+    Example:
+        >>> start = asyncpipe.checkpoint.load(pipe, optimizer, "ckpt").step  # doctest: +SKIP
+    """
+    directory = os.fspath(path)
+    manifest = read_manifest(directory)
+    problems = []
+    if list(manifest.layers) != pipe.layer_names:
+        problems.append(
+            f"the checkpoint is of a model with {len(manifest.layers)} layers named "
+            f"{list(manifest.layers)[:8]}..., this pipeline has {len(pipe.layer_names)} named "
+            f"{pipe.layer_names[:8]}...; load it into the model it was saved from"
+        )
+    if optimizer is not None and manifest.optimizer != type(optimizer).__name__:
+        problems.append(
+            f"the checkpoint holds the state of optimizer {manifest.optimizer or 'none'!r}, "
+            f"not of {type(optimizer).__name__!r}; build the same optimizer, or pass None"
+        )
+    if problems:
+        raise ValueError("; ".join(problems))
+    mine = {name for names in pipe.local_names for name in names}
+    contents = _read(directory, mine, manifest)
+    model: dict[str, Tensor] = {}
+    for content in contents:
+        model.update(content["model"])
+    pipe.load_state_dict(model)
+    if optimizer is not None:
+        _load_optimizer(pipe, optimizer, [c["optimizer"] for c in contents if c["optimizer"]])
+    return manifest
+
+
+def _load_optimizer(
+    pipe: AsyncPipe, optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]]
+) -> None:
+    """Give each parameter its saved state, and each group the hyperparameters of the saved
+    group its first parameter was in (e.g. a learning rate a scheduler changed)."""
+    names = _parameter_names(pipe)
+    state = {name: value for part in saved for name, value in part["state"].items()}
+    group_of = {name: g for part in saved for g in part["param_groups"] for name in g["params"]}
+    current = optimizer.state_dict()
+    new_state: dict[int, Any] = {}
+    groups = []
+    for group, index_group in zip(optimizer.param_groups, current["param_groups"]):
+        params = [names[id(p)] for p in group["params"]]
+        for name, index in zip(params, index_group["params"]):
+            if name in state:
+                new_state[index] = state[name]
+        source = group_of.get(params[0]) if params else None
+        hyper = {k: v for k, v in (source or index_group).items() if k != "params"}
+        groups.append({**hyper, "params": index_group["params"]})
+    optimizer.load_state_dict({"state": new_state, "param_groups": groups})
+
+
+def consolidate(path: str | os.PathLike[str]) -> dict[str, Tensor]:
+    """The state dict of the plain model, put together from every stage file of a checkpoint.
+
+    Example:
+        >>> model.load_state_dict(asyncpipe.checkpoint.consolidate("ckpt"))  # doctest: +SKIP
+    """
+    directory = os.fspath(path)
+    manifest = read_manifest(directory)
+    merged: dict[str, Tensor] = {}
+    for content in _read(directory, set(manifest.layers), manifest):
+        merged.update(content["model"])
+    position = {name: n for n, name in enumerate(manifest.layers)}
+    keys = sorted(merged, key=lambda k: position[k.split(".", 1)[0]])  # stable: keeps order
+    return {key: merged[key] for key in keys}

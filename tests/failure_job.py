@@ -1,0 +1,102 @@
+"""A three-stage training job in which stage 1 fails in a chosen way at its second step.
+
+Run as ``python failure_job.py MODE TIMEOUT`` on ranks set up like torchrun's (see
+``launch.run_processes``); MODE is forward, backward, loss, optimizer, kill or sleep. Every rank
+prints one line ``RESULT {json}`` describing how its job ended, then lets the error end the
+process (a non-zero exit code).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+import asyncpipe
+
+STEPS = 3
+FAILING_STEP = 1  # the second step (counting from 0)
+
+
+class Faulty(nn.Module):
+    """A linear layer that fails in forward or backward of micro-batch 1 at the failing step."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.lin, self.mode, self.step, self.calls = nn.Linear(8, 8), mode, 0, 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        now = self.step == FAILING_STEP and self.calls == 2
+        if now and self.mode == "forward":
+            raise ValueError("injected forward failure")
+        if now and self.mode == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if now and self.mode == "sleep":
+            time.sleep(10**6)
+        out = self.lin(x)
+        if now and self.mode == "backward":
+
+            def fail(grad: Tensor) -> Tensor:
+                raise ValueError("injected backward failure")
+
+            out.register_hook(fail)
+        return out
+
+
+def main(mode: str, timeout: float) -> None:
+    rank = int(os.environ["RANK"])
+    torch.manual_seed(0)
+    faulty = Faulty(mode)
+    model = nn.Sequential(nn.Linear(8, 8), faulty, nn.Linear(8, 8))
+    asyncpipe.init(backend="gloo")
+    pipe = asyncpipe.AsyncPipe(model, [1, 1, 1], chunks=4, checkpoint="never", timeout=timeout)
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    calls = 0
+
+    def loss_fn(out: Tensor, target: Tensor) -> Tensor:
+        nonlocal calls
+        calls += 1
+        if mode == "loss" and step == FAILING_STEP and calls == STEPS * 4 + 2:
+            raise ValueError("injected loss failure")
+        return nn.functional.mse_loss(out, target)
+
+    def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if mode == "optimizer" and rank == 1 and step == FAILING_STEP - 1:
+            raise ValueError("injected optimizer hook failure")
+
+    optimizer.register_step_pre_hook(hook)
+    began = time.monotonic()
+    step = 0
+    try:
+        for step in range(STEPS):
+            faulty.step, faulty.calls, calls = step, 0, STEPS * 4 if step else 0
+            began = time.monotonic()
+            x, y = torch.randn(8, 8), torch.randn(8, 8)
+            pipe.step(x, y, loss_fn)
+            optimizer.step()
+            optimizer.zero_grad()
+    except BaseException as e:
+        report = {
+            "rank": rank,
+            "step": step,
+            "type": type(e).__name__,
+            "text": str(e),
+            "stage": getattr(e, "stage", None),
+            "failed_rank": getattr(e, "rank", None),
+            "action": getattr(e, "action", None),
+            "seconds": time.monotonic() - began,
+        }
+        print("RESULT " + json.dumps(report), flush=True)
+        raise
+    print("RESULT " + json.dumps({"rank": rank, "type": "finished"}), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], float(sys.argv[2]))

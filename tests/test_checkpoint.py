@@ -1,0 +1,208 @@
+"""Checkpoints over the in-process transport: names as in the plain model, save / load equality
+of parameters and optimizer state, resharding, and saves that fail half-way."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from threads import run_threads, values
+from training import model, optimizer, train_step
+
+from asyncpipe import AsyncPipe, checkpoint
+from asyncpipe.checkpoint import files
+from asyncpipe.transport import Transport
+
+
+def run(
+    balance: list[int],
+    job: Any,
+    seed: int = 0,
+) -> list[Any]:
+    """``job(pipe, optimizer, rank)`` on one thread per stage of a fresh model."""
+    net = model(seed)
+
+    def fn(rank: int, transport: Transport) -> Any:
+        pipe = AsyncPipe(net, balance, chunks=2, transport=transport, timeout=20)
+        return job(pipe, optimizer(pipe.parameters()), rank)
+
+    return values(run_threads(fn, len(balance)))
+
+
+def optimizer_state(opt: torch.optim.Optimizer, pipe: AsyncPipe) -> dict[str, Any]:
+    return files._optimizer_state(pipe, opt)["state"]
+
+
+def test_state_dict_keys_are_the_plain_models() -> None:
+    plain = model().state_dict()
+
+    def job(pipe: AsyncPipe, opt: Any, rank: int) -> Any:
+        pipe.load_state_dict(plain)  # the whole model's state loads on every stage
+        return list(pipe.state_dict())
+
+    def missing(pipe: AsyncPipe, opt: Any, rank: int) -> Any:
+        with pytest.raises(RuntimeError, match='Missing key.*"4.bias"') as info:
+            pipe.load_state_dict({k: v for k, v in plain.items() if k != "4.bias"})
+        assert rank != 1 or "layers." not in str(info.value)
+
+    run([3, 2, 3], lambda pipe, opt, rank: missing(pipe, opt, rank) if rank == 1 else None)
+    keys = run([3, 2, 3], job)
+    assert keys[0] == ["0.weight", "0.bias", "1.weight", "1.bias", "2.weight", "2.bias"]
+    assert keys[1] == ["4.weight", "4.bias"]  # positions 3 (Tanh) and 4
+    assert [k for stage in keys for k in stage] == list(plain)
+
+
+def test_reused_layer_is_saved_under_each_of_its_names() -> None:
+    a, b, c = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    plain = torch.nn.Sequential(a, b, c, a)
+
+    def fn(rank: int, transport: Transport) -> list[str]:
+        pipe = AsyncPipe([a, b, c, a], [2, 2], transport=transport)
+        pipe.load_state_dict(plain.state_dict())
+        return list(pipe.state_dict())
+
+    keys = values(run_threads(fn, 2))
+    names = ["0.weight", "0.bias", "1.weight", "1.bias", "3.weight", "3.bias"]
+    assert keys == [names, ["2.weight", "2.bias"]]
+
+
+def test_save_then_load_into_a_fresh_job_goes_on_exactly(tmp_path: Path) -> None:
+    def first(pipe: AsyncPipe, opt: Any, rank: int) -> Any:
+        for step in range(2):
+            train_step(pipe, opt, step)
+        checkpoint.save(pipe, opt, tmp_path, step=2, extra={"epoch": 0})
+        params = {k: v.clone() for k, v in pipe.state_dict().items()}
+        state = optimizer_state(opt, pipe)
+        return params, state, train_step(pipe, opt, 2)
+
+    def second(pipe: AsyncPipe, opt: Any, rank: int) -> Any:
+        manifest = checkpoint.load(pipe, opt, tmp_path)
+        params = {k: v.clone() for k, v in pipe.state_dict().items()}
+        state = optimizer_state(opt, pipe)
+        return manifest, params, state, train_step(pipe, opt, manifest.step)
+
+    before = run([4, 4], first)
+    after = run([4, 4], second, seed=1)  # other initial weights: all must come from the files
+    for (params, state, loss), (manifest, loaded, loaded_state, loss_again) in zip(before, after):
+        assert manifest.step == 2 and manifest.extra == {"epoch": 0}
+        assert manifest.balance == (4, 4) and manifest.optimizer == "Adam"
+        assert params.keys() == loaded.keys()
+        for key in params:
+            assert torch.equal(params[key], loaded[key]), key
+        assert state.keys() == loaded_state.keys() and state
+        for name in state:
+            for field in state[name]:
+                assert torch.equal(state[name][field], loaded_state[name][field]), name
+        assert loss_again == loss  # the same next step, bit for bit
+    assert sorted(os.listdir(tmp_path)) == [
+        "manifest.json",
+        "stage0.step2.pt",
+        "stage1.step2.pt",
+    ]
+
+
+def test_reshard_four_stages_to_two_to_the_plain_model(tmp_path: Path) -> None:
+    four, two = tmp_path / "four", tmp_path / "two"
+
+    def on_four(pipe: AsyncPipe, opt: Any, rank: int) -> Any:
+        train_step(pipe, opt, 0)
+        checkpoint.save(pipe, opt, four, step=1)
+        return train_step(pipe, opt, 1), {k: v.clone() for k, v in pipe.state_dict().items()}
+
+    def on_two(pipe: AsyncPipe, opt: Any, rank: int) -> Any:
+        step = checkpoint.load(pipe, opt, four).step
+        checkpoint.save(pipe, opt, two, step=step)
+        return train_step(pipe, opt, step), {k: v.clone() for k, v in pipe.state_dict().items()}
+
+    results4 = run([2, 2, 2, 2], on_four)
+    results2 = run([5, 3], on_two, seed=1)
+    assert results2[0][0] == pytest.approx(results4[0][0], rel=1e-6)  # the same next step
+    after4 = {k: v for _, params in results4 for k, v in params.items()}
+    after2 = {k: v for _, params in results2 for k, v in params.items()}
+    assert after4.keys() == after2.keys()
+    for key in after4:
+        torch.testing.assert_close(after2[key], after4[key])
+
+    plain = model(seed=2)
+    state = checkpoint.consolidate(two)
+    assert list(state) == list(plain.state_dict())
+    plain.load_state_dict(state)
+    for key, value in checkpoint.consolidate(four).items():
+        assert torch.equal(plain.state_dict()[key], value), key
+
+
+def test_a_save_that_fails_on_one_rank_leaves_the_last_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write = files._write_atomically
+
+    def failing(where: str, content: Any) -> None:
+        if os.path.basename(where) == "stage1.step2.pt":
+            with open(where + ".tmp-partial", "wb") as f:
+                f.write(b"half a file")  # what a crash mid-write leaves
+            raise OSError("disk full")
+        write(where, content)
+
+    def job(pipe: AsyncPipe, opt: Any, rank: int) -> Any:
+        train_step(pipe, opt, 0)
+        checkpoint.save(pipe, opt, tmp_path, step=1)
+        saved = {k: v.clone() for k, v in pipe.state_dict().items()}
+        train_step(pipe, opt, 1)
+        with pytest.raises(RuntimeError, match=r"step 2 .* not saved \(rank 1: OSError: disk"):
+            checkpoint.save(pipe, opt, tmp_path, step=2)
+        return saved
+
+    monkeypatch.setattr(files, "_write_atomically", failing)
+    saved = run([4, 4], job)
+    monkeypatch.setattr(files, "_write_atomically", write)
+
+    def reload(pipe: AsyncPipe, opt: Any, rank: int) -> Any:
+        return checkpoint.load(pipe, opt, tmp_path).step, pipe.state_dict()
+
+    for (step, params), want in zip(run([4, 4], reload, seed=3), saved):
+        assert step == 1
+        for key in want:
+            assert torch.equal(params[key], want[key]), key
+
+
+def test_loading_refuses_what_does_not_fit(tmp_path: Path) -> None:
+    def nothing_there(pipe: AsyncPipe, opt: Any, rank: int) -> Any:
+        with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+            checkpoint.load(pipe, opt, tmp_path)
+
+    run([4, 4], nothing_there)
+    run([4, 4], lambda pipe, opt, rank: checkpoint.save(pipe, opt, tmp_path, step=0))
+
+    def other_optimizer(pipe: AsyncPipe, opt: Any, rank: int) -> Any:
+        with pytest.raises(ValueError, match="optimizer 'Adam', not of 'SGD'"):
+            checkpoint.load(pipe, torch.optim.SGD(pipe.parameters(), lr=1), tmp_path)
+
+    run([4, 4], other_optimizer)
+
+
+def test_a_checkpoint_of_another_model_is_refused(tmp_path: Path) -> None:
+    run([4, 4], lambda pipe, opt, rank: checkpoint.save(pipe, opt, tmp_path, step=0))
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+
+    def fn(rank: int, transport: Transport) -> None:
+        pipe = AsyncPipe(net, [1, 1], transport=transport)
+        with pytest.raises(ValueError, match="a model with 8 layers .* this pipeline has 2"):
+            checkpoint.load(pipe, None, tmp_path)
+
+    values(run_threads(fn, 2))
+
+
+def test_a_stop_asked_on_one_rank_is_agreed_on_every_rank_after_the_step() -> None:
+    def job(pipe: AsyncPipe, opt: Any, rank: int) -> Any:
+        seen = []
+        for step in range(3):
+            if rank == 2 and step == 1:
+                pipe.request_stop()
+            train_step(pipe, opt, step)
+            seen.append(pipe.stop_agreed)
+        return seen
+
+    assert run([3, 2, 3], job) == [[False, True, True]] * 3

@@ -1,0 +1,63 @@
+"""Every way a stage can fail ends the whole job: each other rank raises a clear error naming
+the failed rank and stage within the configured timeout, and every process exits non-zero."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import pytest
+from launch import Ended, run_processes
+
+pytestmark = pytest.mark.slow
+
+JOB = os.path.join(os.path.dirname(__file__), "failure_job.py")
+TIMEOUT = "3"
+
+
+def report(ended: Ended) -> dict[str, Any]:
+    lines = [line for line in ended.stdout.splitlines() if line.startswith("RESULT ")]
+    assert len(lines) == 1, (ended.rank, ended.code, ended.stdout, ended.stderr[-2000:])
+    result: dict[str, Any] = json.loads(lines[0][len("RESULT ") :])
+    return result
+
+
+# mode -> (failed rank, words the failed rank's own error has, words every other rank's has)
+CASES = {
+    "forward": (1, "injected forward failure", "stage 1 failed in 1F1"),
+    "backward": (1, "injected backward failure", "stage 1 failed in 1B1 (micro-batch 1)"),
+    "loss": (2, "injected loss failure", "stage 2 failed in 2F1"),
+    "optimizer": (1, "injected optimizer hook failure", "rank 1 (stage 1) is gone"),
+    "kill": (1, None, "rank 1 (stage 1) is gone"),
+    "sleep": (
+        1,
+        None,
+        f"rank 1 (stage 1) sent nothing: rank {{}} timed out after {float(TIMEOUT):.1f} s",
+    ),
+}
+
+
+@pytest.mark.parametrize("mode", list(CASES))
+def test_a_failure_ends_every_rank_with_a_clear_error(mode: str) -> None:
+    culprit, own, others = CASES[mode]
+    ended = run_processes(JOB, 3, mode, TIMEOUT, timeout=120)
+    for process in ended:
+        if process.rank == culprit and mode == "kill":
+            assert process.code == -9
+            continue
+        if process.rank == culprit and mode == "sleep":
+            assert process.code is None, "the sleeping rank should still sleep"
+            continue
+        assert process.code not in (0, None), (process.rank, process.code, process.stderr[-2000:])
+        result = report(process)
+        assert result["step"] == 1 or (mode == "optimizer" and process.rank == culprit), result
+        if process.rank == culprit:
+            assert own is not None and own in result["text"], result
+            continue
+        assert result["type"] == "StageFailure", result
+        assert others.format(process.rank) in result["text"], result
+        assert result["failed_rank"] == culprit and result["stage"] == culprit, result
+        if own is not None and mode in ("forward", "loss"):  # relayed with its text
+            assert own in result["text"], result
+        assert "Traceback" not in result["text"] and "pair.cc" not in result["text"], result
