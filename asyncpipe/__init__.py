@@ -7,8 +7,9 @@ Example:
     >>> loss = pipe.step(x, y, loss_fn)                                    # doctest: +SKIP
 """
 
-from . import partition, schedule, transport
+from . import balance, partition, schedule, transport
 from .batchnorm import DeferredBatchNorm
+from .cut import CutPoint, sequentialize
 from .failure import StageFailure, StepReport
 from .group import init
 from .lazy import LazyModule
@@ -18,12 +19,15 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AsyncPipe",
+    "CutPoint",
     "DeferredBatchNorm",
     "LazyModule",
     "StageFailure",
     "StepReport",
+    "balance",
     "init",
     "partition",
     "schedule",
+    "sequentialize",
     "transport",
 ]

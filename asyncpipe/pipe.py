@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .arguments import check_arguments, plan_factory
+from .balance.auto import auto_balance
 from .batchnorm import DeferredBatchNorm, commit_all
 from .failure import StageFailure, StepReport
 from .lazy import LazyModule
@@ -17,6 +18,7 @@ from .microbatch import Tensors, as_tensors, gather, scatter
 from .partition import Partition, Segment, partition
 from .runtime import LossFn, Runtime, Work, unwrap
 from .schedule import Action, Kind, Plan
+from .shared import SharedWeights
 from .transport import P2PTransport, Transport
 
 __all__: list[str] = []
@@ -72,7 +74,8 @@ class AsyncPipe(nn.Module):
             on the rank that owns it). A layer object listed twice is owned by the stage of its
             first position and runs there at every position (shared weights).
         balance: layers per stage, counting positions in ``module`` (a reused layer counts at
-            each position); one entry per pipeline rank.
+            each position); one entry per pipeline rank. ``"auto"``: rank 0 finds it with
+            :func:`asyncpipe.balance.by_time` on ``sample`` and every rank takes its answer.
         chunks: micro-batches per mini-batch (fewer if the batch has fewer rows).
         checkpoint: ``"always"``, ``"except_last"`` (default) or ``"never"``: which
             micro-batches recompute their activations in backward instead of keeping them.
@@ -90,6 +93,13 @@ class AsyncPipe(nn.Module):
         timeout: seconds any wait for another rank may take before it fails naming that rank.
         device: device of received tensors (default: CPU, or the current CUDA device with
             NCCL).
+        sample: one micro-batch of input for ``balance="auto"``.
+        shared_weights: groups of parameter names whose copies on different stages must stay
+            equal, e.g. ``[("tok.weight", "head.weight")]``, or one name for a parameter that
+            several stages use (names in the original model for a
+            :func:`~asyncpipe.sequentialize` model, or ``"<position>.<name>"`` in the
+            ``nn.Sequential``); their gradients are summed across the owning stages after
+            each backward.
 
     Example:
         >>> import asyncpipe, torch                                  # doctest: +SKIP
@@ -102,7 +112,7 @@ class AsyncPipe(nn.Module):
     def __init__(
         self,
         module: nn.Sequential | Sequence[nn.Module | LazyModule],
-        balance: Sequence[int],
+        balance: Sequence[int] | str,
         chunks: int = 1,
         checkpoint: str = "except_last",
         *,
@@ -112,8 +122,12 @@ class AsyncPipe(nn.Module):
         transport: str | Transport = "p2p",
         timeout: float = 300.0,
         device: torch.device | str | None = None,
+        sample: Tensor | tuple[Tensor, ...] | None = None,
+        shared_weights: Sequence[Sequence[str] | str] = (),
     ) -> None:
         super().__init__()
+        if isinstance(balance, str):
+            balance = auto_balance(balance, module, sample, transport, virtual_stages)
         layers = check_arguments(module, balance, chunks, checkpoint, schedule, virtual_stages)
         problems = []
         if not (isinstance(timeout, (int, float)) and timeout > 0):
@@ -184,6 +198,12 @@ class AsyncPipe(nn.Module):
             if seg.stage == self.stage
         }
         owners = [seg.stage for seg in segments]
+        global_rank = (
+            {r: transport.global_rank(r) for r in range(transport.world_size)}
+            if isinstance(transport, P2PTransport)
+            else None
+        )
+        self._shared = SharedWeights(shared_weights, layers, partitions, self.stage, global_rank)
         self._runtime = Runtime(
             self.stage,
             local,
@@ -332,7 +352,9 @@ class AsyncPipe(nn.Module):
             )
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable (got {type(loss_fn).__name__})")
+        before = self._shared.snapshot()
         work = self._run(self._prepare(input, target, loss_fn, train=True))
+        self._shared.reduce(before)
         return work.loss_sum / work.microbatches
 
     def forward(self, input: object = None) -> Any:
@@ -379,7 +401,9 @@ class AsyncPipe(nn.Module):
                 "there is no forward waiting for its backward: call pipe(input) first"
             )
         work.output_grads = output_grads
+        before = self._shared.snapshot()
         self._run(lambda m: work, _is_backward, resume=work)
+        self._shared.reduce(before)
 
     def back_helper(self, output: object = None) -> None:
         """Take part in the backward of the last :meth:`forward` on a stage other than the last.
