@@ -109,12 +109,12 @@ class SharedWeights:
             raise ValueError("; ".join(problems))
         self.groups: list[_Group] = []
         for group in groups:
-            owners = tuple(sorted({stage for n in group for stage, _ in found[n]}))
+            objects = {id(p) for n in group for _, p in found[n]}
+            owners = tuple(sorted({stage for key in objects for stage in by_object[key]}))
             local: list[nn.Parameter] = []
-            for n in group:
-                for stage, p in found[n]:
-                    if stage == rank and all(p is not q for q in local):
-                        local.append(p)
+            for stage, p in self._everywhere(found):
+                if stage == rank and id(p) in objects and all(p is not q for q in local):
+                    local.append(p)
             process_group = None
             if len(owners) > 1:
                 if global_rank is None:
@@ -128,6 +128,12 @@ class SharedWeights:
         self.rank = rank
         self._global = global_rank or {}
         self._copy_first()
+
+    @staticmethod
+    def _everywhere(
+        found: dict[str, list[tuple[int, nn.Parameter]]],
+    ) -> list[tuple[int, nn.Parameter]]:
+        return [pair for pairs in found.values() for pair in pairs]
 
     def _copy_first(self) -> None:
         """Make every copy equal to the lowest owner's."""

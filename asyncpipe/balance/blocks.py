@@ -13,8 +13,8 @@ def blocks(costs: Sequence[float], stages: int) -> list[int]:
     """Sizes of ``stages`` consecutive non-empty blocks of ``costs`` with the smallest maximum sum.
 
     Among the splits with that maximum it takes the one whose block sums are closest to equal
-    (smallest sum of squares), and among those the first in lexicographic order of sizes, so
-    the same costs always give the same answer.
+    (smallest sum of squares); a remaining tie goes to the split whose later blocks are longer,
+    so the same costs always give the same answer.
 
     Raises:
         ValueError: fewer costs than stages, a negative or non-finite cost, or stages < 1.

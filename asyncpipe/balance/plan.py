@@ -57,8 +57,15 @@ class Candidate:
         return (
             f"{self.schedule}{virtual}, {self.stages} stages, {self.chunks} chunks, balance "
             f"{list(self.balance)}: {self.seconds * 1e3:.1f} ms, bubble {self.bubble:.0%}, "
-            f"{self.memory / 2**20:.1f} MiB"
+            f"{_bytes(self.memory)}"
         )
+
+
+def _bytes(size: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if size >= scale:
+            return f"{size / scale:.1f} {unit}"
+    return f"{size} B"
 
 
 @dataclass(frozen=True)
