@@ -70,7 +70,7 @@ def test_block_partition_is_optimal_against_brute_force() -> None:
         got = balance.blocks(costs, k)
         assert sum(got) == n and len(got) == k and min(got) >= 1
 
-        def worst(sizes: tuple[int, ...] | list[int]) -> int:
+        def worst(sizes: tuple[int, ...] | list[int], costs: list[int] = costs) -> int:
             edges = [0, *itertools.accumulate(sizes)]
             return max(sum(costs[a:b]) for a, b in zip(edges, edges[1:]))
 

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 from cut_models import TiedLM
 from cut_workers import tied
-from spawn import run_ranks
 from models import reference
+from spawn import run_ranks
 from threads import run_threads, values
 from torch import nn
 
