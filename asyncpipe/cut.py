@@ -165,8 +165,10 @@ def _trace(model: nn.Module, leaves: tuple[type[nn.Module], ...]) -> fx.GraphMod
             f"sequentialize traces forward() with torch.fx, which cannot follow this code "
             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
             + (f" at {where}" if where else "")
-            + "; move the data-dependent branch inside a module and pass its type in "
-            "leaves=(...), or compute it without Python control flow on tensors"
+            + "; tracing replaces tensors and their sizes by placeholders, so Python control "
+            "flow on them, or a size passed where a plain int is needed, fails: move such code "
+            "into a module and pass its type in leaves=(...), or write it with tensor "
+            "operations (e.g. slice a precomputed buffer)"
         ) from e
     return fx.GraphModule(model, graph, type(model).__name__)
 

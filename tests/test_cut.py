@@ -158,7 +158,9 @@ def test_a_model_without_cut_points_is_one_segment() -> None:
     assert len(seq) == 1 and torch.equal(seq(x), model(x))
 
 
-@pytest.mark.parametrize(("world", "schedule"), [(2, "1f1b"), (4, "gpipe")])
+@pytest.mark.parametrize(
+    ("world", "schedule"), [(2, "1f1b"), pytest.param(4, "gpipe", marks=pytest.mark.slow)]
+)
 def test_cut_models_equal_the_plain_model_over_gloo(world: int, schedule: str) -> None:
     results = run_ranks(cut_transparency, world, schedule, timeout=120)
     for rank, result in enumerate(results):

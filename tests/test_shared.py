@@ -13,6 +13,7 @@ from torch import nn
 from asyncpipe import AsyncPipe, sequentialize
 
 
+@pytest.mark.slow
 def test_tied_embedding_and_head_stay_equal_over_many_steps() -> None:
     results = run_ranks(tied, 2, 30, timeout=120)
     for rank, result in enumerate(results):
