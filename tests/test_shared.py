@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from cut_models import TiedLM
 from cut_workers import tied
