@@ -203,7 +203,9 @@ class AsyncPipe(nn.Module):
             if isinstance(transport, P2PTransport)
             else None
         )
-        self._shared = SharedWeights(shared_weights, layers, partitions, self.stage, global_rank)
+        self._shared = SharedWeights(
+            shared_weights, layers, partitions, self.stage, global_rank, self.timeout
+        )
         self._runtime = Runtime(
             self.stage,
             local,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -59,6 +60,7 @@ class SharedWeights:
         partitions: Sequence[Partition],
         rank: int,
         global_rank: dict[int, int] | None,
+        timeout: float = 300.0,
     ) -> None:
         owner = {id(layer): p.stage for p in partitions for layer in p.layers}
         found: dict[str, list[tuple[int, nn.Parameter]]] = {}
@@ -123,7 +125,9 @@ class SharedWeights:
                         f"{list(owners)}) need the p2p transport (torch.distributed); pass "
                         f"transport='p2p'"
                     )
-                process_group = dist.new_group([global_rank[s] for s in owners])
+                process_group = dist.new_group(
+                    [global_rank[s] for s in owners], timeout=timedelta(seconds=timeout)
+                )
             self.groups.append(_Group(tuple(group), owners, local, process_group))
         self.rank = rank
         self._global = global_rank or {}
@@ -165,6 +169,13 @@ class SharedWeights:
                     if p.grad is not None:
                         added += p.grad if was is None else p.grad - was
                 if g.group is not None:
-                    dist.all_reduce(added, group=g.group)
+                    try:
+                        dist.all_reduce(added, group=g.group)
+                    except RuntimeError as e:
+                        raise RuntimeError(
+                            f"stage {self.rank} could not sum the gradients of shared weights "
+                            f"{list(g.names)} with stages {list(g.owners)} (a stage failed or "
+                            f"did not run this step within the timeout): {e}"
+                        ) from e
                 for p, was in zip(g.local, old):
                     p.grad = added.clone() if was is None else was + added

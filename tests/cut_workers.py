@@ -93,6 +93,13 @@ def tied(rank: int, world: int, steps: int) -> Any:
         for n, p in model.named_parameters()
         if p.grad is not None
     )
+    model.zero_grad()  # the fairscale-style forward and backward sum them too
+    out = pipe(ids if first else None)
+    if last:
+        lm_loss(out, targets).backward()
+    else:
+        pipe.back_helper(out)
+    result["forward_grad"] = float((model.tok.weight.grad - tied_grad).abs().max())
     optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
     plain_opt = torch.optim.Adam(plain.parameters(), lr=0.05)
     for step in range(steps):

@@ -19,6 +19,7 @@ def test_tied_embedding_and_head_stay_equal_over_many_steps() -> None:
     results = run_ranks(tied, 2, 30, timeout=120)
     for rank, result in enumerate(results):
         assert result["grad"] < 1e-6, (rank, result["grad"])  # the tied model's gradient
+        assert result["forward_grad"] < 1e-6, (rank, result["forward_grad"])
         assert result["others"] < 1e-6, (rank, result["others"])
         assert result["plain"] < 1e-4, (rank, result["plain"])  # same training as the plain one
     assert torch.equal(results[0]["weight"], results[1]["weight"])
