@@ -163,6 +163,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--balance", default="2,2,2,2")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--repeat", type=int, default=5, help="timed runs per layer profile")
+    parser.add_argument(
+        "--fresh",
+        action="store_true",
+        help="profile again just before each run and predict it from that profile",
+    )
     parser.add_argument("--out", default="")
     parser.add_argument("--logs", default="")
     args = parser.parse_args(argv)
@@ -176,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     model = build_model(args.f_ms, 8)
     sample = torch.randn(args.batch, *SHAPES[args.shape])
-    profile = balance.profile(model, sample, rows=[1, args.batch], repeat=5)
+    profile = balance.profile(model, sample, rows=[1, args.batch], repeat=args.repeat)
     logs = Path(args.logs or tempfile.mkdtemp(prefix="plan-check-"))
     link = _link(args, logs) if args.measure_link else balance.Link()
     print(f"link: {link}")
@@ -192,9 +198,21 @@ def main(argv: list[str] | None = None) -> int:
     print(f"reference workload: 8 layers, F = {args.f_ms} ms, batch {args.batch}, {args.shape}")
     print(ranking.table(8))
     print(ranking.reason)
-    print("\n| configuration | predicted (ms) | measured (ms) | measured / predicted |")
-    print("|---|---:|---:|---:|")
+    print("\n| configuration | predicted (ms) | measured (ms) | measured / predicted | load |")
+    print("|---|---:|---:|---:|---:|")
     for candidate in _chosen(ranking):
+        if args.fresh:  # predict again from a profile (and link) taken just before the run
+            profile = balance.profile(model, sample, rows=[1, args.batch], repeat=args.repeat)
+            link = _link(args, logs) if args.measure_link else balance.Link()
+            candidate = balance.plan(
+                profile,
+                args.world,
+                args.batch,
+                stages=[candidate.stages],
+                chunks=[candidate.chunks],
+                schedules=[candidate.schedule],
+                link=link,
+            ).best
         measured = _measure(args, candidate, logs)
         name = (
             f"{candidate.schedule}, {candidate.stages} stages, {candidate.chunks} chunks, "
@@ -202,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(
             f"| {name} | {candidate.seconds * 1e3:.1f} | {measured * 1e3:.1f} | "
-            f"{measured / candidate.seconds:.2f} |",
+            f"{measured / candidate.seconds:.2f} | {os.getloadavg()[0]:.1f} |",
             flush=True,
         )
     return 0
