@@ -195,3 +195,24 @@ def test_auto_balance_gives_every_rank_the_same_answer() -> None:
     assert results[0][0] == results[1][0] and sum(results[0][0]) == 8
     for _, loss_error, grad_error in results:
         assert loss_error < 1e-5 and grad_error < 1e-5
+
+
+def test_plan_simulates_interleaved_with_two_chunks_per_rank() -> None:
+    ranking = balance.plan(_flat(0.001, 0.002, 8, (1, 8)), 4, 16, schedules=("interleaved",))
+    assert ranking.candidates and all(c.virtual_stages == 2 for c in ranking.candidates)
+    assert all(len(c.balance) == 2 * c.stages for c in ranking.candidates)
+
+
+def test_auto_balance_needs_a_sample_and_torch_distributed() -> None:
+    from threads import run_threads
+
+    from asyncpipe import AsyncPipe
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+
+    def make(rank: int, transport: Any) -> None:
+        AsyncPipe(model, "auto", transport=transport)
+
+    status, error = run_threads(make, 2)[0]
+    assert status == "error" and isinstance(error, ValueError)
+    assert "pass sample=" in str(error) and "call asyncpipe.balance.by_time once" in str(error)
