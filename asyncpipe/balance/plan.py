@@ -226,7 +226,15 @@ def _reason(ranked: list[Candidate], memory_limit: int | None) -> str:
     if others:
         runner = others[0]
         gain = runner.seconds / best.seconds - 1 if best.seconds > 0 else 0.0
-        text += f"; {gain:.1%} faster than the runner-up ({runner})"
+        if gain < 5e-4:
+            why = (
+                "it needs less memory"
+                if best.memory < runner.memory
+                else "ties go to the earlier schedule in schedules, then fewer stages and chunks"
+            )
+            text += f"; as fast as the runner-up ({runner}); {why}"
+        else:
+            text += f"; {gain:.1%} faster than the runner-up ({runner})"
         if best.schedule != runner.schedule and best.bubble < runner.bubble:
             text += f", with a smaller bubble ({best.bubble:.0%} against {runner.bubble:.0%})"
         one = [c for c in ranked if c.stages == 1 and c.fits]
