@@ -7,8 +7,9 @@ Example:
     >>> loss = pipe.step(x, y, loss_fn)                                    # doctest: +SKIP
 """
 
-from . import checkpoint, partition, schedule, transport
+from . import balance, checkpoint, partition, schedule, transport
 from .batchnorm import DeferredBatchNorm
+from .cut import CutPoint, sequentialize
 from .failure import StageFailure, StepReport
 from .group import init, shutdown
 from .lazy import LazyModule
@@ -18,14 +19,17 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AsyncPipe",
+    "CutPoint",
     "DeferredBatchNorm",
     "LazyModule",
     "StageFailure",
     "StepReport",
+    "balance",
     "checkpoint",
     "init",
     "shutdown",
     "partition",
     "schedule",
+    "sequentialize",
     "transport",
 ]

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .arguments import check_arguments, plan_factory
+from .balance.auto import auto_balance
 from .batchnorm import DeferredBatchNorm, commit_all
 from .failure import MismatchedBatch, StageFailure, StepReport
 from .lazy import LazyModule
@@ -21,6 +22,7 @@ from .partition import Partition, Segment, partition
 from .precision import DTYPES, LossScaler, all_finite, drop_, unscale_
 from .runtime import LossFn, Runtime, Work, unwrap
 from .schedule import Action, Kind, Plan
+from .shared import SharedWeights
 from .skip.layer import Skippable
 from .skip.routes import SkipRoutes, skip_routes
 from .skip.verify import probe, verify_skippables
@@ -114,7 +116,8 @@ class AsyncPipe(nn.Module):
             on the rank that owns it). A layer object listed twice is owned by the stage of its
             first position and runs there at every position (shared weights).
         balance: layers per stage, counting positions in ``module`` (a reused layer counts at
-            each position); one entry per pipeline rank.
+            each position); one entry per pipeline rank. ``"auto"``: rank 0 finds it with
+            :func:`asyncpipe.balance.by_time` on ``sample`` and every rank takes its answer.
         chunks: micro-batches per mini-batch (fewer if the batch has fewer rows).
         checkpoint: ``"always"``, ``"except_last"`` (default) or ``"never"``: which
             micro-batches recompute their activations in backward instead of keeping them.
@@ -140,6 +143,13 @@ class AsyncPipe(nn.Module):
         data_parallel_size: replicas of the pipeline; the world then has
             ``data_parallel_size`` times the pipeline ranks, and each stage's gradients are
             averaged over its replicas after every step.
+        sample: one micro-batch of input for ``balance="auto"``.
+        shared_weights: groups of parameter names whose copies on different stages must stay
+            equal, e.g. ``[("tok.weight", "head.weight")]``, or one name for a parameter that
+            several stages use (names in the original model for a
+            :func:`~asyncpipe.sequentialize` model, or ``"<position>.<name>"`` in the
+            ``nn.Sequential``); their gradients are summed across the owning stages after
+            each backward.
 
     Example:
         >>> import asyncpipe, torch                                  # doctest: +SKIP
@@ -152,7 +162,7 @@ class AsyncPipe(nn.Module):
     def __init__(
         self,
         module: nn.Sequential | Sequence[nn.Module | LazyModule],
-        balance: Sequence[int],
+        balance: Sequence[int] | str,
         chunks: int = 1,
         checkpoint: str = "except_last",
         *,
@@ -165,8 +175,12 @@ class AsyncPipe(nn.Module):
         autocast: torch.dtype | None = None,
         loss_scale: float = 2.0**16,
         data_parallel_size: int = 1,
+        sample: Tensor | tuple[Tensor, ...] | None = None,
+        shared_weights: Sequence[Sequence[str] | str] = (),
     ) -> None:
         super().__init__()
+        if isinstance(balance, str):
+            balance = auto_balance(balance, module, sample, transport, virtual_stages)
         layers = check_arguments(module, balance, chunks, checkpoint, schedule, virtual_stages)
         problems = []
         if autocast is not None and autocast not in DTYPES:
@@ -176,6 +190,11 @@ class AsyncPipe(nn.Module):
         if not (isinstance(data_parallel_size, int) and data_parallel_size >= 1):
             problems.append(
                 f"data_parallel_size must be a positive integer (got {data_parallel_size!r})"
+            )
+        elif data_parallel_size > 1 and shared_weights:
+            problems.append(
+                "shared_weights with data_parallel_size > 1 is not supported yet; tie the "
+                "weights on one stage, or run one pipeline"
             )
         elif data_parallel_size > 1 and not isinstance(transport, str):
             problems.append(
@@ -301,6 +320,14 @@ class AsyncPipe(nn.Module):
             if seg.stage == self.stage
         }
         owners = [seg.stage for seg in segments]
+        global_rank = (
+            {r: transport.global_rank(r) for r in range(transport.world_size)}
+            if isinstance(transport, P2PTransport)
+            else None
+        )
+        self._shared = SharedWeights(
+            shared_weights, layers, partitions, self.stage, global_rank, self.timeout
+        )
         self._runtime = Runtime(
             self.stage,
             local,
@@ -477,9 +504,11 @@ class AsyncPipe(nn.Module):
             )
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable (got {type(loss_fn).__name__})")
+        before = self._shared.snapshot()
         work = self._run(self._prepare(input, target, loss_fn, train=True))
         if self._averager is not None:
             self._averager.finish()
+        self._shared.reduce(before)
         if self.scaler is not None:
             self._settle_scale()
         return work.loss_sum / work.microbatches
@@ -576,9 +605,11 @@ class AsyncPipe(nn.Module):
                 "there is no forward waiting for its backward: call pipe(input) first"
             )
         work.output_grads = output_grads
+        before = self._shared.snapshot()
         self._run(lambda m: work, _is_backward, resume=work)
         if self._averager is not None:
             self._averager.finish()
+        self._shared.reduce(before)
 
     def back_helper(self, output: object = None) -> None:
         """Take part in the backward of the last :meth:`forward` on a stage other than the last.

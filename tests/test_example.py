@@ -46,3 +46,20 @@ def test_train_resnet_with_skips_and_deferred_batch_norm() -> None:
     assert len(losses) == 2 and losses[1] < losses[0], result.stdout
     accuracy = float(re.findall(r"test accuracy (\d\.\d+)", result.stdout)[0])
     assert accuracy > 0.5, result.stdout  # four classes: chance is 0.25
+
+
+@pytest.mark.slow
+def test_train_cutpoint_runs_under_torchrun() -> None:
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
+        "--master-addr=127.0.0.1", f"--master-port={free_port()}",
+        str(ROOT / "examples" / "train_cutpoint.py"),
+        "--steps", "10", "--dim", "32", "--depth", "2", "--log-every", "5",
+    ]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    result = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    losses = [float(v) for v in re.findall(r"step +\d+/\d+ +loss (\d+\.\d+)", result.stdout)]
+    assert len(losses) >= 2 and losses[-1] < losses[0], result.stdout
+    assert "balance found by timing them: [2, 2]" in result.stdout, result.stdout
+    assert "differ by 0.0" in result.stdout, result.stdout

@@ -1,0 +1,231 @@
+"""How close ``asyncpipe.balance.plan`` predicts the step time of the reference workload.
+
+Profiles the reference model in this process, ranks configurations with ``balance.plan``, then
+runs a handful of them (the best, the best of each schedule and stage count, a poor one) as
+real gloo jobs and prints predicted against measured step time::
+
+    python -m benchmarks.plan_check --f-ms 3 --batch 32 --world 4
+
+Each configuration runs as its own group of worker processes (``--worker`` mode, started by
+:func:`benchmarks.launch.launch`); a step's time is the slowest rank's, and the median over the
+timed steps counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .launch import launch
+from .workload import SHAPES, build_model
+
+__all__ = ["main"]
+
+
+def _worker(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    import asyncpipe
+
+    torch.set_num_threads(1)
+    asyncpipe.init(timeout=60)
+    balance = [int(b) for b in args.balance.split(",")]
+    model = build_model(args.f_ms, sum(balance))
+    x = torch.randn(args.batch, *SHAPES[args.shape])
+    pipe = asyncpipe.AsyncPipe(
+        model, balance, chunks=args.chunks, checkpoint="never", schedule=args.schedule
+    )
+    seconds = []
+    for step in range(args.warmup + args.steps):
+        model.zero_grad(set_to_none=True)
+        dist.barrier()
+        start = time.perf_counter()
+        pipe.step(x, None, lambda out, _: out.mean())
+        took = torch.tensor([time.perf_counter() - start])
+        dist.all_reduce(took, op=dist.ReduceOp.MAX)
+        if step >= args.warmup:
+            seconds.append(float(took))
+    if dist.get_rank() == 0:
+        Path(args.out).write_text(json.dumps(seconds))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def _ping(args: argparse.Namespace) -> int:
+    """Two ranks bounce a message of one activation's size; rank 0 writes the one-way time and
+    the time to post a send (medians)."""
+    import torch.distributed as dist
+
+    import asyncpipe
+
+    torch.set_num_threads(1)
+    asyncpipe.init(timeout=60)
+    rank = dist.get_rank()
+    rows = args.batch // args.chunks
+    buffer = torch.zeros(rows, *SHAPES[args.shape])
+    trips, posts = [], []
+    for trip in range(args.warmup + 40):
+        dist.barrier()
+        start = time.perf_counter()
+        if rank == 0:
+            work = dist.isend(buffer, 1)
+            posted = time.perf_counter()
+            work.wait()
+            dist.recv(buffer, 1)
+        else:
+            dist.recv(buffer, 0)
+            dist.send(buffer, 0)
+        if trip >= args.warmup and rank == 0:
+            trips.append((time.perf_counter() - start) / 2)
+            posts.append(posted - start)
+    if rank == 0:
+        Path(args.out).write_text(json.dumps([statistics.median(trips), statistics.median(posts)]))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def _link(args: argparse.Namespace, logs: Path) -> Any:
+    """A :class:`asyncpipe.balance.Link` measured by a ping-pong between two processes now."""
+    from asyncpipe.balance import Link
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "link.json"
+        ping_args = [
+            "--ping", "--batch", str(args.batch), "--chunks", str(args.chunks),
+            "--shape", args.shape, "--out", str(out),
+        ]  # fmt: skip
+        result = launch("benchmarks.plan_check", ping_args, 2, 120.0, logs)
+        if not result.ok:
+            raise RuntimeError(f"ping-pong: {result.failure()}")
+        one_way, post = json.loads(out.read_text())
+    return Link(latency=one_way, bandwidth=float("inf"), post=post)
+
+
+def _measure(args: argparse.Namespace, candidate: Any, logs: Path) -> float:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "seconds.json"
+        worker_args = [
+            "--worker", "--f-ms", str(args.f_ms), "--batch", str(args.batch),
+            "--shape", args.shape, "--chunks", str(candidate.chunks),
+            "--schedule", candidate.schedule, "--steps", str(args.steps),
+            "--balance", ",".join(map(str, candidate.balance)), "--out", str(out),
+        ]  # fmt: skip
+        result = launch("benchmarks.plan_check", worker_args, candidate.stages, 300.0, logs)
+        if not result.ok:
+            raise RuntimeError(f"{candidate}: {result.failure()}")
+        return statistics.median(json.loads(out.read_text()))
+
+
+def _chosen(ranking: Any) -> list[Any]:
+    """The best, the best of each (schedule, stages), and the worst multi-stage candidate."""
+    picked: list[Any] = []
+    seen: set[tuple[str, int]] = set()
+    for candidate in ranking.candidates:
+        key = (candidate.schedule, candidate.stages)
+        if key not in seen:
+            seen.add(key)
+            picked.append(candidate)
+    poor = [c for c in ranking.candidates if c.stages > 1]
+    if poor and poor[-1] not in picked:
+        picked.append(poor[-1])
+    return picked
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--ping", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--measure-link",
+        action="store_true",
+        help="time a message between two processes first and predict with that link cost",
+    )
+    parser.add_argument("--f-ms", type=float, default=3.0)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--shape", choices=tuple(SHAPES), default="small")
+    parser.add_argument("--chunks", type=int, default=8)
+    parser.add_argument(
+        "--chunk-options", default="", help="chunk counts plan may choose (default: all)"
+    )
+    parser.add_argument("--schedule", default="gpipe")
+    parser.add_argument("--balance", default="2,2,2,2")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--repeat", type=int, default=5, help="timed runs per layer profile")
+    parser.add_argument(
+        "--fresh",
+        action="store_true",
+        help="profile again just before each run and predict it from that profile",
+    )
+    parser.add_argument("--out", default="")
+    parser.add_argument("--logs", default="")
+    args = parser.parse_args(argv)
+    if args.worker:
+        return _worker(args)
+    if args.ping:
+        return _ping(args)
+
+    from asyncpipe import balance
+
+    torch.set_num_threads(1)
+    model = build_model(args.f_ms, 8)
+    sample = torch.randn(args.batch, *SHAPES[args.shape])
+    profile = balance.profile(model, sample, rows=[1, args.batch], repeat=args.repeat)
+    logs = Path(args.logs or tempfile.mkdtemp(prefix="plan-check-"))
+    link = _link(args, logs) if args.measure_link else balance.Link()
+    print(f"link: {link}")
+    options = [int(c) for c in args.chunk_options.split(",")] if args.chunk_options else None
+    ranking = balance.plan(
+        profile,
+        args.world,
+        args.batch,
+        chunks=options,
+        schedules=("gpipe", "1f1b", "zero_bubble"),
+        link=link,
+    )
+    print(f"reference workload: 8 layers, F = {args.f_ms} ms, batch {args.batch}, {args.shape}")
+    print(ranking.table(8))
+    print(ranking.reason)
+    print("\n| configuration | predicted (ms) | measured (ms) | measured / predicted | load |")
+    print("|---|---:|---:|---:|---:|")
+    for candidate in _chosen(ranking):
+        if args.fresh:  # predict again from a profile (and link) taken just before the run
+            profile = balance.profile(model, sample, rows=[1, args.batch], repeat=args.repeat)
+            link = _link(args, logs) if args.measure_link else balance.Link()
+            candidate = balance.plan(
+                profile,
+                args.world,
+                args.batch,
+                stages=[candidate.stages],
+                chunks=[candidate.chunks],
+                schedules=[candidate.schedule],
+                link=link,
+            ).best
+        measured = _measure(args, candidate, logs)
+        name = (
+            f"{candidate.schedule}, {candidate.stages} stages, {candidate.chunks} chunks, "
+            f"balance {list(candidate.balance)}"
+        )
+        print(
+            f"| {name} | {candidate.seconds * 1e3:.1f} | {measured * 1e3:.1f} | "
+            f"{measured / candidate.seconds:.2f} | {os.getloadavg()[0]:.1f} |",
+            flush=True,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())

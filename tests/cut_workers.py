@@ -1,0 +1,132 @@
+"""Worker functions for the multi-process cut point, shared weight and balance tests."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from cut_models import ManyCuts, MaskResidual, TiedLM, lm_loss
+from models import reference
+from torch import nn
+
+from asyncpipe import AsyncPipe, sequentialize
+
+mse = nn.functional.mse_loss
+
+
+def _worst(pipe: AsyncPipe, model: nn.Module, want: list[torch.Tensor]) -> float:
+    """Largest gradient error of this rank's parameters against the plain model's."""
+    index = {id(p): n for n, p in enumerate(model.parameters())}
+    worst = 0.0
+    for p in pipe.parameters():
+        got = p.grad if p.grad is not None else torch.zeros_like(p)
+        worst = max(worst, float((got - want[index[id(p)]]).abs().max()))
+    return worst
+
+
+class Splat(nn.Module):
+    """Calls the wrapped model with a tuple's items as positional arguments."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, value: Any) -> Any:
+        return self.model(*value)
+
+
+def cut_transparency(rank: int, world: int, schedule: str) -> Any:
+    """Loss, output and gradient errors of cut models against the un-split model."""
+    out: dict[str, Any] = {}
+    torch.manual_seed(0)
+    many = ManyCuts()
+    x, y = torch.randn(12, 8), torch.randn(12, 8)
+    seq = sequentialize(many, x[:3])
+    balance = [8 // world] * world
+    want_loss, grads = reference(many, x, y, 4, mse)
+    pipe = AsyncPipe(seq, balance, chunks=4, schedule=schedule, timeout=30)
+    loss = pipe.step(x if pipe.is_first_stage else None, y if pipe.is_last_stage else None, mse)
+    out["many"] = (abs(loss - want_loss), _worst(pipe, many, grads))
+
+    torch.manual_seed(1)
+    model = MaskResidual()
+    x, y = torch.randn(12, 8), torch.randn(12, 8)
+    mask = torch.rand(12, 8) > 0.3
+    seq = sequentialize(model, (x[:3], mask[:3]))
+    balance = [2, 1, 1, 1] if world == 4 else [3, 2]
+    want_loss, grads = reference(Splat(model), (x, mask), y, 3, mse)
+    pipe = AsyncPipe(
+        seq, balance, chunks=3, schedule=schedule, timeout=30, shared_weights=["scale"]
+    )
+    first, last = pipe.is_first_stage, pipe.is_last_stage
+    loss = pipe.step((x, mask) if first else None, y if last else None, mse)
+    out["mask"] = (abs(loss - want_loss), _worst(pipe, model, grads))
+    with torch.no_grad():
+        pipe.eval()
+        got = pipe((x, mask) if first else None)
+        if last:
+            out["output"] = float((got - model(x, mask)).abs().max())
+    return out
+
+
+def tied(rank: int, world: int, steps: int) -> Any:
+    """Tied embedding/head on two stages: gradients, then copies after many Adam steps."""
+    torch.manual_seed(3)
+    model = TiedLM()
+    plain = copy.deepcopy(model)
+    ids = torch.randint(0, 11, (8, 6))
+    targets = torch.randint(0, 11, (8, 6))
+    seq = sequentialize(model, ids[:2])
+    pipe = AsyncPipe(
+        seq, [2, 3], chunks=2, timeout=30, shared_weights=[("tok.weight", "head.weight")]
+    )
+    first, last = pipe.is_first_stage, pipe.is_last_stage
+    pipe.step(ids if first else None, targets if last else None, lm_loss)
+    _, grads = reference(plain, ids, targets, 2, lm_loss)
+    tied_grad = dict(zip([n for n, _ in plain.named_parameters()], grads))["tok.weight"]
+    mine = model.tok.weight.grad
+    result: dict[str, Any] = {"grad": float((mine - tied_grad).abs().max())}
+    want = dict(zip([n for n, _ in plain.named_parameters()], grads))
+    result["others"] = max(
+        float((p.grad - want[n]).abs().max())
+        for n, p in model.named_parameters()
+        if p.grad is not None
+    )
+    model.zero_grad()  # the fairscale-style forward and backward sum them too
+    out = pipe(ids if first else None)
+    if last:
+        lm_loss(out, targets).backward()
+    else:
+        pipe.back_helper(out)
+    result["forward_grad"] = float((model.tok.weight.grad - tied_grad).abs().max())
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    plain_opt = torch.optim.Adam(plain.parameters(), lr=0.05)
+    for step in range(steps):
+        optimizer.zero_grad()
+        plain_opt.zero_grad()
+        batch = torch.randint(0, 11, (8, 6), generator=torch.Generator().manual_seed(step))
+        pipe.step(batch if first else None, batch.roll(1, 1) if last else None, lm_loss)
+        reference_step(plain, batch, plain_opt)
+        optimizer.step()
+    result["weight"] = model.tok.weight.detach().clone()
+    result["plain"] = float((model.tok.weight - plain.tok.weight).abs().max())
+    return result
+
+
+def reference_step(model: nn.Module, batch: torch.Tensor, optimizer: Any) -> None:
+    for ids, target in zip(batch.chunk(2), batch.roll(1, 1).chunk(2)):
+        (lm_loss(model(ids), target) / 2).backward()
+    optimizer.step()
+
+
+def auto(rank: int, world: int) -> Any:
+    """balance='auto' gives every rank the same balance, and training still matches."""
+    torch.manual_seed(0)
+    many = ManyCuts()
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    seq = sequentialize(many, x[:2])
+    want_loss, grads = reference(many, x, y, 4, mse)
+    pipe = AsyncPipe(seq, "auto", chunks=4, sample=x[:2], timeout=30)
+    loss = pipe.step(x if pipe.is_first_stage else None, y if pipe.is_last_stage else None, mse)
+    return pipe.balance, abs(loss - want_loss), _worst(pipe, many, grads)

@@ -1,0 +1,218 @@
+"""Balancing: block partition answers, profiles, by_time / by_size, plan, balance='auto'."""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any
+
+import pytest
+import torch
+from cut_workers import auto
+from spawn import run_ranks
+from torch import Tensor, nn
+
+from asyncpipe import balance
+from asyncpipe.balance import LayerProfile, Link, Profile
+
+
+class _Sleep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, seconds: float) -> Tensor:
+        ctx.seconds = seconds
+        time.sleep(seconds)
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        time.sleep(2 * ctx.seconds)
+        return grad, None
+
+
+class Sleepy(nn.Module):
+    """Sleeps ``ms`` in forward and twice that in backward."""
+
+    def __init__(self, ms: float) -> None:
+        super().__init__()
+        self.lin, self.seconds = nn.Linear(4, 4), ms / 1000
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = _Sleep.apply(self.lin(x), self.seconds)  # type: ignore[no-untyped-call]
+        return out
+
+
+@pytest.mark.parametrize(
+    ("costs", "stages", "want"),
+    [
+        ([1, 1, 1, 1], 2, [2, 2]),
+        ([1, 1, 1, 4, 1, 1, 1, 1], 4, [3, 1, 2, 2]),
+        ([4, 1, 1, 1, 1], 2, [1, 4]),
+        ([1, 2, 3, 4, 5], 3, [3, 1, 1]),
+        ([0, 0, 0], 3, [1, 1, 1]),
+        ([5], 1, [1]),
+        ([1, 1, 1, 1, 1, 1, 1], 3, [2, 2, 3]),
+    ],
+)
+def test_block_partition_known_answers(costs: list[float], stages: int, want: list[int]) -> None:
+    assert balance.blocks(costs, stages) == want
+
+
+def test_block_partition_is_optimal_against_brute_force() -> None:
+    import itertools
+    import random
+
+    rng = random.Random(0)
+    for _ in range(50):
+        n, k = rng.randint(2, 7), rng.randint(1, 4)
+        if k > n:
+            continue
+        costs = [rng.randint(0, 9) for _ in range(n)]
+        got = balance.blocks(costs, k)
+        assert sum(got) == n and len(got) == k and min(got) >= 1
+
+        def worst(sizes: tuple[int, ...] | list[int], costs: list[int] = costs) -> int:
+            edges = [0, *itertools.accumulate(sizes)]
+            return max(sum(costs[a:b]) for a, b in zip(edges, edges[1:]))
+
+        splits = [
+            s for s in itertools.product(range(1, n + 1), repeat=k) if sum(s) == n and min(s) >= 1
+        ]
+        assert worst(got) == min(worst(s) for s in splits), (costs, k, got)
+
+
+def test_block_partition_errors_are_listed_at_once() -> None:
+    with pytest.raises(ValueError, match=r"layers: 2, stages: 3.*bad: 1: -1"):
+        balance.blocks([1, -1], 3)
+
+
+def test_a_layer_that_sleeps_four_times_longer_gets_its_own_stage() -> None:
+    model = nn.Sequential(*[Sleepy(8 if n == 3 else 2) for n in range(8)])
+    assert balance.by_time(model, torch.randn(2, 4), 4, repeat=1)[1] == 1
+    found = balance.by_time(model, torch.randn(2, 4), 4, repeat=1)
+    edges = [sum(found[:n]) for n in range(5)]
+    assert 3 in edges and 4 in edges, found  # layer 3 alone
+
+
+def test_by_size_counts_parameters_and_activations() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 400), nn.Linear(400, 4))
+    x = torch.randn(2, 4)
+    assert balance.by_size(model, x, 2) == [3, 1]
+    p = balance.profile(model, x, rows=[2])
+    assert [m[0].params for m in p.layers] == [80, 80, 8000, 6416]
+    assert p.layers[3][0].activations == 2 * 400 * 4  # its input, saved for the weight grad
+
+
+def test_profiling_leaves_the_model_unchanged() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.5), nn.Linear(4, 2))
+    model[0].weight.grad = torch.ones(4, 4)
+    model.eval()
+    model[1].train()
+    state = copy.deepcopy(model.state_dict())
+    balance.by_time(model, torch.randn(8, 4), 2, repeat=1)
+    balance.by_size(model, torch.randn(8, 4), 2)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, state[key]), key
+    assert torch.equal(model[0].weight.grad, torch.ones(4, 4))
+    assert model[3].weight.grad is None
+    assert [m.training for m in model] == [False, True, False, False]
+
+
+def test_profiling_restores_the_rng() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5))
+    x = torch.randn(8, 4)
+    torch.manual_seed(1)
+    expected = torch.rand(2)
+    torch.manual_seed(1)
+    balance.profile(model, x, repeat=1)
+    assert torch.equal(torch.rand(2), expected)
+
+
+def _flat(forward: float, backward: float, layers: int, rows: tuple[int, ...]) -> Profile:
+    """Equal layers whose time and memory grow with the rows (given at rows[0])."""
+
+    def at(r: int) -> LayerProfile:
+        k = r / rows[0]
+        return LayerProfile(forward * k, backward * k, 100, round(64 * k), round(16 * k))
+
+    return Profile(rows, tuple(tuple(at(r) for r in rows) for _ in range(layers)))
+
+
+def test_profile_interpolates_a_fixed_and_a_per_row_cost() -> None:
+    a = LayerProfile(1.0, 2.0, 10, 100, 40)
+    b = LayerProfile(4.0, 8.0, 10, 400, 160)
+    p = Profile((2, 8), ((a, b),))
+    (mid,) = p.at(4)
+    assert (mid.forward, mid.backward, mid.activations, mid.output) == (2.0, 4.0, 200, 80)
+
+
+def test_plan_matches_the_ideal_of_each_schedule_without_link_costs() -> None:
+    f = 0.003
+    ranking = balance.plan(
+        _flat(f, 2 * f, 8, (1,)),
+        4,
+        8,
+        chunks=[8],
+        stages=[4],
+        schedules=("gpipe", "1f1b"),
+        link=Link(latency=0.0, bandwidth=float("inf"), post=0.0),
+    )
+    gpipe = next(c for c in ranking.candidates if c.schedule == "gpipe")
+    assert gpipe.balance == (2, 2, 2, 2)
+    assert gpipe.seconds == pytest.approx((8 + 4 - 1) * 3 * f * 2)
+    assert "best:" in ranking.reason
+
+
+def test_plan_prefers_more_stages_when_messages_are_cheap_and_is_deterministic() -> None:
+    profile = _flat(0.001, 0.002, 8, (1, 8))
+    first = balance.plan(profile, 4, 16)
+    second = balance.plan(profile, 4, 16)
+    assert first == second
+    assert first.best.stages == 4 and first.best.fits
+    seconds = [c.seconds for c in first.candidates]
+    assert seconds == sorted(seconds)
+    assert "faster than the runner-up" in first.reason and "than one stage" in first.reason
+
+
+def test_plan_puts_configurations_over_the_memory_limit_last() -> None:
+    profile = _flat(0.001, 0.002, 8, (1, 8))
+    free = balance.plan(profile, 4, 16, schedules=("gpipe", "1f1b"))
+    limit = free.best.memory - 1  # the fastest no longer fits
+    ranking = balance.plan(profile, 4, 16, memory_limit=limit, schedules=("gpipe", "1f1b"))
+    fits = [c.fits for c in ranking.candidates]
+    assert fits == sorted(fits, reverse=True) and not all(fits) and any(fits)
+    assert all((c.memory <= limit) == c.fits for c in ranking.candidates)
+    assert ranking.best.memory <= limit and ranking.best.seconds > free.best.seconds
+    assert f"need more than {limit} bytes" in ranking.reason
+
+
+def test_plan_arguments_are_checked_at_once() -> None:
+    with pytest.raises(ValueError, match=r"world_size.*batch_size.*checkpoint"):
+        balance.plan(_flat(1, 2, 4, (1,)), 0, -1, checkpoint="sometimes")
+
+
+def test_auto_balance_gives_every_rank_the_same_answer() -> None:
+    results = run_ranks(auto, 2, timeout=120)
+    assert results[0][0] == results[1][0] and sum(results[0][0]) == 8
+    for _, loss_error, grad_error in results:
+        assert loss_error < 1e-5 and grad_error < 1e-5
+
+
+def test_plan_simulates_interleaved_with_two_chunks_per_rank() -> None:
+    ranking = balance.plan(_flat(0.001, 0.002, 8, (1, 8)), 4, 16, schedules=("interleaved",))
+    assert ranking.candidates and all(c.virtual_stages == 2 for c in ranking.candidates)
+    assert all(len(c.balance) == 2 * c.stages for c in ranking.candidates)
+
+
+def test_auto_balance_needs_a_sample_and_torch_distributed() -> None:
+    from threads import run_threads
+
+    from asyncpipe import AsyncPipe
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+
+    def make(rank: int, transport: Any) -> None:
+        AsyncPipe(model, "auto", transport=transport)
+
+    status, error = run_threads(make, 2)[0]
+    assert status == "error" and isinstance(error, ValueError)
+    assert "pass sample=" in str(error) and "call asyncpipe.balance.by_time once" in str(error)
