@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,6 +20,8 @@ from .microbatch import Tensors, as_tensors, gather, scatter
 from .partition import Partition, Segment, partition
 from .runtime import LossFn, Runtime, Work, unwrap
 from .schedule import Action, Kind, Plan
+from .trace import TraceWriter
+from .trace.recorder import Recorder
 from .transport import P2PTransport, Transport
 
 __all__: list[str] = []
@@ -90,6 +95,10 @@ class AsyncPipe(nn.Module):
         timeout: seconds any wait for another rank may take before it fails naming that rank.
         device: device of received tensors (default: CPU, or the current CUDA device with
             NCCL).
+        trace: a directory, or a :class:`~asyncpipe.trace.TraceWriter`: every rank times each
+            action it runs and rank 0 writes TensorBoard scalars, timeline pictures and a
+            Chrome trace there (see :mod:`asyncpipe.trace`); call :meth:`close` at the end.
+        trace_every: steps between timeline pictures when ``trace`` is a directory.
 
     Example:
         >>> import asyncpipe, torch                                  # doctest: +SKIP
@@ -112,12 +121,21 @@ class AsyncPipe(nn.Module):
         transport: str | Transport = "p2p",
         timeout: float = 300.0,
         device: torch.device | str | None = None,
+        trace: str | os.PathLike[str] | TraceWriter | None = None,
+        trace_every: int = 50,
     ) -> None:
         super().__init__()
         layers = check_arguments(module, balance, chunks, checkpoint, schedule, virtual_stages)
         problems = []
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             problems.append(f"timeout must be a positive number of seconds (got {timeout!r})")
+        if not (trace is None or isinstance(trace, (str, os.PathLike, TraceWriter))):
+            problems.append(
+                f"trace must be a directory or a TraceWriter (got {type(trace).__name__}); pass "
+                f"e.g. trace='runs/exp1'"
+            )
+        if not (isinstance(trace_every, int) and trace_every > 0):
+            problems.append(f"trace_every must be a positive number of steps (got {trace_every!r})")
         if isinstance(transport, str):
             if transport != "p2p":
                 problems.append(
@@ -193,6 +211,24 @@ class AsyncPipe(nn.Module):
             self.timeout,
             self.device,
         )
+        self._recorder: Recorder | None = None
+        if trace is not None:
+            writer = trace if isinstance(trace, TraceWriter) else TraceWriter(trace, trace_every)
+            config = {
+                "ranks": self.num_stages,
+                "balance": self.balance,
+                "chunks": self.chunks,
+                "schedule": schedule if isinstance(schedule, str) else "custom plan",
+                "virtual_stages": virtual_stages,
+                "checkpoint": checkpoint,
+                "transport": type(transport).__name__
+                + (f" ({dist.get_backend()})" if dist.is_initialized() else ""),
+                "deferred_batch_norm": self.deferred_batch_norm,
+                "device": str(self.device),
+            }
+            self._recorder = Recorder(
+                writer, transport, self.timeout, self.device, self._runtime.plan_for, config
+            )
         self._last_segment = len(segments) - 1
         self._first_rank = segments[0].stage
         self._last_rank = segments[-1].stage
@@ -249,6 +285,8 @@ class AsyncPipe(nn.Module):
     ) -> Work:
         self._guard()
         try:
+            if self._recorder is not None:
+                self._recorder.begin()
             work, report = self._runtime.run(prepare, phase or (lambda a: True), resume=resume)
             if self.deferred_batch_norm and resume is None:  # the forwards of a mini-batch ran
                 commit_all(self.layers)
@@ -259,7 +297,43 @@ class AsyncPipe(nn.Module):
             self._broken = StageFailure(str(e), rank=self.stage, stage=-1, microbatch=-1, action="")
             raise
         self.last_step = report
+        if self._recorder is not None:
+            self._recorder.add(report)
         return work
+
+    def _traced(self, work: Work, loss: float | None) -> None:
+        """Hand the finished step to the recorder (if tracing)."""
+        if self._recorder is not None:
+            samples = sum(int(x[0].shape[0]) for x in work.inputs or () if x and x[0].dim())
+            m, train = work.microbatches, work.train
+            self._recorder.end_step(loss=loss, samples=samples, microbatches=m, train=train)
+
+    @property
+    def trace_directory(self) -> Path | None:
+        """Where this pipeline's trace goes (``None`` when not tracing)."""
+        return None if self._recorder is None else self._recorder.writer.directory
+
+    @contextlib.contextmanager
+    def trace_span(self, name: str) -> Iterator[None]:
+        """Time a block of the training loop (e.g. the optimizer step) into the trace and a
+        ``torch.profiler`` range named ``name``.
+
+        Example:
+            >>> with pipe.trace_span("optimizer"):   # doctest: +SKIP
+            ...     optimizer.step()
+        """
+        if self._recorder is None:
+            with torch.autograd.profiler.record_function(name):
+                yield
+        else:
+            with self._recorder.span(name):
+                yield
+
+    def close(self) -> None:
+        """Finish the trace (rank 0 writes the last step, the Chrome trace and the timeline
+        pictures); call it on every rank after the last step. Nothing to do when not tracing."""
+        if self._recorder is not None:
+            self._recorder.close(drain=self._broken is None)
 
     def _scatter(self, value: object, what: str, microbatches: int | None) -> list[Tensors]:
         if value is None:
@@ -333,7 +407,9 @@ class AsyncPipe(nn.Module):
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable (got {type(loss_fn).__name__})")
         work = self._run(self._prepare(input, target, loss_fn, train=True))
-        return work.loss_sum / work.microbatches
+        loss = work.loss_sum / work.microbatches
+        self._traced(work, loss)
+        return loss
 
     def forward(self, input: object = None) -> Any:
         """Run the forward of one mini-batch through the pipeline (fairscale's style).
@@ -362,6 +438,7 @@ class AsyncPipe(nn.Module):
         last = self._last_segment if self.is_last_stage else max(self._runtime.segments)
         outputs = [work.outputs[(last, i)] for i in range(work.microbatches)]
         if not train:
+            self._traced(work, None)
             return unwrap(gather(outputs))
         self._pending = work
         if not self.is_last_stage:
@@ -380,6 +457,7 @@ class AsyncPipe(nn.Module):
             )
         work.output_grads = output_grads
         self._run(lambda m: work, _is_backward, resume=work)
+        self._traced(work, None)
 
     def back_helper(self, output: object = None) -> None:
         """Take part in the backward of the last :meth:`forward` on a stage other than the last.
