@@ -15,12 +15,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.slow
-def test_train_lm_runs_under_torchrun() -> None:
+def test_train_lm_runs_under_torchrun(tmp_path: Path) -> None:
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
         "--master-addr=127.0.0.1", f"--master-port={free_port()}",
         str(ROOT / "examples" / "train_lm.py"),
         "--steps", "8", "--dim", "32", "--depth", "2", "--log-every", "4", "--sample-chars", "20",
+        "--trace", str(tmp_path / "trace"), "--trace-every", "4",
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1")
     result = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
@@ -28,3 +29,5 @@ def test_train_lm_runs_under_torchrun() -> None:
     losses = [float(v) for v in re.findall(r"step +\d+/\d+ +loss (\d+\.\d+)", result.stdout)]
     assert len(losses) >= 2 and losses[-1] < losses[0], result.stdout
     assert "idle" in result.stdout
+    assert f"trace: {tmp_path / 'trace'}" in result.stdout
+    assert (tmp_path / "trace" / "timeline.html").exists()
