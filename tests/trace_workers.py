@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from asyncpipe import AsyncPipe
 
-FORWARD_SECONDS = 0.006
+FORWARD_SECONDS = 0.01
 
 
 class _Sleep(torch.autograd.Function):

@@ -8,16 +8,20 @@ small message per step to rank 0, after the step::
     rank r:  step k ──> [payload k] ──send──>                       step k+1 ...
     rank 0:  step k ──> post receives k ──> write step k-1 ──> step k+1 ...
 
-With a transport that takes receives early (gloo), rank 0 writes step ``k - 1`` after step
-``k``, so it never waits for a payload; otherwise (NCCL) it takes step ``k``'s at once.
+With a transport that takes receives early (gloo), rank 0 takes step ``k - 1``'s payloads after
+step ``k``, so it never waits for them; otherwise (NCCL) it takes step ``k``'s at once. Decoding
+and writing happen on a writer thread that the recorder starts and joins, so the training loop
+only hands bytes over.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import queue
 import resource
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
@@ -94,6 +98,9 @@ class Recorder:
         self._plans: set[str] = set()
         self._inbox: deque[tuple[dict[str, Any], dict[int, PendingRecv]]] = deque()
         self._lag = 1 if transport.early_receives else 0
+        self._queue: queue.Queue[tuple[dict[str, Any], dict[int, bytes]] | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
 
     def begin(self) -> None:
         """Align the clocks and open the writer: every rank, before the first step."""
@@ -103,6 +110,9 @@ class Recorder:
         self.offset = clock_offset(self.transport, self.timeout, self.device)
         if self.rank == 0:
             self.writer.open(self.config)
+            self._thread = threading.Thread(target=self._write_loop, name="asyncpipe-trace")
+            self._thread.daemon = True
+            self._thread.start()
 
     @contextlib.contextmanager
     def span(self, name: str) -> Iterator[None]:
@@ -134,7 +144,7 @@ class Recorder:
         step, self.step = self.step, self.step + 1
         if self.rank != 0:
             data = torch.frombuffer(bytearray(json.dumps(payload).encode()), dtype=torch.uint8)
-            message = Message(0, step, (data.to(self.device),))
+            message = Message(step % 2, step, (data.to(self.device),))
             self.transport.send(0, TRACE_CHANNEL, message)
             return
         key = f"{microbatches}/{'train' if train else 'eval'}"
@@ -144,40 +154,32 @@ class Recorder:
             self.writer.add_plan(key, plan if train else forward_only(plan))
         payload.update(step=step, loss=loss, plan=key)
         peers = range(1, self.transport.world_size)
-        self._inbox.append((payload, {p: self.transport.recv(p, TRACE_CHANNEL) for p in peers}))
+        # Two slots: a slot's next receive is posted only after its last message was taken,
+        # so a transport that sizes receives by slot (p2p over gloo) sees them in order.
+        posted = {p: self.transport.recv(p, TRACE_CHANNEL, step % 2) for p in peers}
+        self._inbox.append((payload, posted))
         while len(self._inbox) > self._lag:
             self._collect(*self._inbox.popleft())
 
     def _collect(self, own: dict[str, Any], pending: dict[int, PendingRecv]) -> None:
-        payloads = {0: own}
+        """Take the peers' payloads of one step and hand them to the writer thread."""
+        raw = {}
         for peer, receive in pending.items():
             message = receive.wait(self.timeout)
             tensor = message.tensors[0] if message.tensors else None
             if message.error is not None or tensor is None:
                 raise RuntimeError(f"rank {peer} sent no trace of step {own['step']}")
-            payloads[peer] = json.loads(bytes(tensor.cpu().numpy().tobytes()).decode())
-        # The step begins with the first action anywhere (the first stage's first forward):
-        # a rank that waited for it before is not inside the step yet.
-        actions = [s for p in payloads.values() for n, s, _ in p["events"] if n != WAIT]
-        origin = min(actions or [p["start"] for p in payloads.values()])
+            raw[peer] = tensor.cpu().numpy().tobytes()
+        self._queue.put((own, raw))
 
-        def shift(events: list[Any]) -> tuple[Event, ...]:
-            moved = ((str(n), max(s, origin) - origin, e - origin) for n, s, e in events)
-            return tuple(e for e in moved if e[2] > e[1] or e[0] != WAIT)
-
-        ranks = {}
-        for rank, p in sorted(payloads.items()):
-            start = max(p["start"], origin)
-            seconds = p["start"] + p["seconds"] - start
-            ranks[rank] = RankStep(start - origin, seconds, shift(p["events"]), p["peak_memory"])
-        extra = tuple(
-            (rank, str(n), s - origin, e - origin)
-            for rank, p in sorted(payloads.items())
-            for n, s, e in p["extra"]
-        )
-        samples = sum(int(p["samples"]) for p in payloads.values())
-        trace = StepTrace(own["step"], origin, own["loss"], samples, ranks, own["plan"], extra)
-        self.writer.write(trace)
+    def _write_loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            if self._error is not None:
+                continue
+            try:
+                self.writer.write(assemble(*item))
+            except BaseException as e:  # reported by close()
+                self._error = e
 
     def close(self, drain: bool = True) -> None:
         """Write what is still due (``drain``) and close the writer; rank 0 also renders the
@@ -195,5 +197,36 @@ class Recorder:
                 self._collect(*self._inbox.popleft())
         finally:
             self._inbox.clear()
+            if self._thread is not None:
+                self._queue.put(None)
+                self._thread.join()
             if self.started:
                 self.writer.close()
+        if self._error is not None:
+            raise RuntimeError(f"the trace writer failed: {self._error}") from self._error
+
+
+def assemble(own: dict[str, Any], raw: Mapping[int, bytes]) -> StepTrace:
+    """Rank 0's payload and the others' (JSON bytes) as one step on rank 0's clock."""
+    payloads = {0: own, **{peer: json.loads(data.decode()) for peer, data in raw.items()}}
+    # The step begins with the first action anywhere (the first stage's first forward):
+    # a rank that waited for it before is not inside the step yet.
+    actions = [s for p in payloads.values() for n, s, _ in p["events"] if n != WAIT]
+    origin = min(actions or [p["start"] for p in payloads.values()])
+
+    def shift(events: list[Any]) -> tuple[Event, ...]:
+        moved = ((str(n), max(s, origin) - origin, e - origin) for n, s, e in events)
+        return tuple(e for e in moved if e[2] > e[1] or e[0] != WAIT)
+
+    ranks = {}
+    for rank, p in sorted(payloads.items()):
+        start = max(p["start"], origin)
+        seconds = p["start"] + p["seconds"] - start
+        ranks[rank] = RankStep(start - origin, seconds, shift(p["events"]), p["peak_memory"])
+    extra = tuple(
+        (rank, str(n), s - origin, e - origin)
+        for rank, p in sorted(payloads.items())
+        for n, s, e in p["extra"]
+    )
+    samples = sum(int(p["samples"]) for p in payloads.values())
+    return StepTrace(own["step"], origin, own["loss"], samples, ranks, own["plan"], extra)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property, lru_cache
 from statistics import mean
 
 from ..schedule import Action, Costs, Kind, Plan, Simulation, simulate
@@ -18,6 +20,7 @@ given to :meth:`~asyncpipe.AsyncPipe.trace_span`; seconds since the step's origi
 WAIT, SYNC = "wait", "sync"
 
 
+@lru_cache(maxsize=4096)
 def kind_of(name: str) -> str:
     """``"compute"`` (F, B, W), ``"comm"`` (send, receive), ``"wait"`` (the first receive, before
     any action), ``"sync"`` (the end-of-step exchange) or ``"user"`` (a :meth:`trace_span`)."""
@@ -45,9 +48,16 @@ class RankStep:
     def end(self) -> float:
         return self.start + self.seconds
 
+    @cached_property
+    def _totals(self) -> Counter[str]:
+        totals: Counter[str] = Counter()
+        for name, start, end in self.events:
+            totals[kind_of(name)] += end - start
+        return totals
+
     def total(self, kind: str) -> float:
         """Seconds spent in events of one :func:`kind_of`."""
-        return sum(end - start for name, start, end in self.events if kind_of(name) == kind)
+        return float(self._totals[kind])
 
 
 @dataclass(frozen=True)
