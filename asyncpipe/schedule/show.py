@@ -6,7 +6,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 from xml.sax.saxutils import escape, quoteattr
 
 from .action import Action, Plan
@@ -370,6 +370,11 @@ def timeline_png(simulation: Simulation, path: str | Path, title: str = "") -> N
         >>> from asyncpipe.schedule import Costs, build, simulate
         >>> timeline_png(simulate(build("1f1b", 4, 8), Costs()), "1f1b.png")  # doctest: +SKIP
     """
+    timeline_image(simulation, title).save(Path(path), format="PNG")
+
+
+def timeline_image(simulation: Simulation, title: str = "") -> Any:
+    """The picture of :func:`timeline_png` as a Pillow image (RGB), not written anywhere."""
     try:
         from PIL import Image, ImageDraw, ImageFont  # type: ignore[import-not-found, unused-ignore]
     except ImportError as e:
@@ -422,4 +427,4 @@ def timeline_png(simulation: Simulation, path: str | Path, title: str = "") -> N
                 font=font(shape.size, shape.bold),
                 anchor=anchors[shape.anchor],
             )
-    image.save(Path(path), format="PNG")
+    return image

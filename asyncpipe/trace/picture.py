@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import io
 import os
-import tempfile
 from pathlib import Path
-from typing import Any
 
-from ..schedule import Plan, timeline_png, timeline_svg
+from ..schedule import Plan, timeline_svg
+from ..schedule.show import timeline_image
 from .run import StepTrace
 
 __all__: list[str] = []
@@ -53,35 +53,27 @@ def svgs(step: StepTrace, plan: Plan | None) -> list[str]:
     return out
 
 
-def write_png(step: StepTrace, plan: Plan | None, path: str | os.PathLike[str]) -> None:
-    """The measured step above its ideal, as one PNG (needs Pillow)."""
+def png_bytes(step: StepTrace, plan: Plan | None) -> tuple[bytes, int, int]:
+    """The measured step above its ideal as PNG bytes, with the width and height (needs
+    Pillow)."""
     from PIL import Image  # type: ignore[import-not-found, unused-ignore]
 
     heading, ideal_heading = titles(step, plan)
     ms = _in_ms(step)
-    with tempfile.TemporaryDirectory() as scratch:
-        parts = [Path(scratch) / "measured.png"]
-        timeline_png(ms.simulation(), parts[0], heading)
-        if plan is not None:
-            parts.append(Path(scratch) / "ideal.png")
-            timeline_png(ms.ideal(plan), parts[1], ideal_heading)
-        images = [Image.open(p).convert("RGB") for p in parts]
-        width = max(i.width for i in images)
-        canvas = Image.new("RGB", (width, sum(i.height for i in images)), "#ffffff")
-        y = 0
-        for image in images:
-            canvas.paste(image, (0, y))
-            y += image.height
-        canvas.save(Path(path), format="PNG")
+    images = [timeline_image(ms.simulation(), heading)]
+    if plan is not None:
+        images.append(timeline_image(ms.ideal(plan), ideal_heading))
+    width = max(i.width for i in images)
+    canvas = Image.new("RGB", (width, sum(i.height for i in images)), "#ffffff")
+    y = 0
+    for image in images:
+        canvas.paste(image, (0, y))
+        y += image.height
+    buffer = io.BytesIO()
+    canvas.save(buffer, format="PNG", compress_level=1)  # fast; the picture is mostly flat
+    return buffer.getvalue(), canvas.width, canvas.height
 
 
-def timeline_image(step: StepTrace, plan: Plan | None) -> Any:
-    """:func:`write_png`'s picture as an array of shape (height, width, 3), for TensorBoard."""
-    import numpy as np
-    from PIL import Image  # type: ignore[import-not-found, unused-ignore]
-
-    with tempfile.TemporaryDirectory() as scratch:
-        path = Path(scratch) / "timeline.png"
-        write_png(step, plan, path)
-        with Image.open(path) as image:
-            return np.asarray(image.convert("RGB"))
+def write_png(step: StepTrace, plan: Plan | None, path: str | os.PathLike[str]) -> None:
+    """:func:`png_bytes` into a file."""
+    Path(path).write_bytes(png_bytes(step, plan)[0])

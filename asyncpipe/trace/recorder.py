@@ -40,6 +40,7 @@ from .writer import TraceWriter
 __all__: list[str] = []
 
 TRACE_CHANNEL = (1 << 20) + 1
+_POLL = 0.25  # seconds between the writer thread's batches
 
 
 def peak_memory(device: torch.device) -> int:
@@ -173,13 +174,24 @@ class Recorder:
         self._queue.put((own, raw))
 
     def _write_loop(self) -> None:
-        while (item := self._queue.get()) is not None:
-            if self._error is not None:
-                continue
-            try:
-                self.writer.write(assemble(*item))
-            except BaseException as e:  # reported by close()
-                self._error = e
+        """Write what arrived, a batch every ``_POLL`` seconds: the training loop never wakes
+        this thread, so the two meet for the interpreter lock only once per batch."""
+        done = False
+        while not done:
+            time.sleep(_POLL)
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    done = True
+                    break
+                if self._error is None:
+                    try:
+                        self.writer.write(assemble(*item))
+                    except BaseException as e:  # reported by close()
+                        self._error = e
 
     def close(self, drain: bool = True) -> None:
         """Write what is still due (``drain``) and close the writer; rank 0 also renders the

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
@@ -49,15 +48,16 @@ class RankStep:
         return self.start + self.seconds
 
     @cached_property
-    def _totals(self) -> Counter[str]:
-        totals: Counter[str] = Counter()
+    def _totals(self) -> dict[str, float]:
+        totals: dict[str, float] = {}
         for name, start, end in self.events:
-            totals[kind_of(name)] += end - start
+            kind = kind_of(name)
+            totals[kind] = totals.get(kind, 0.0) + end - start
         return totals
 
     def total(self, kind: str) -> float:
         """Seconds spent in events of one :func:`kind_of`."""
-        return float(self._totals[kind])
+        return self._totals.get(kind, 0.0)
 
 
 @dataclass(frozen=True)

@@ -105,10 +105,19 @@ class TraceWriter:
             board.add_scalar("pipeline/ideal_bubble_fraction", ideal.total_bubble, n)
             board.add_scalar("pipeline/ideal_step_seconds", ideal.makespan, n)
             if self.images:
-                from .picture import timeline_image
+                from tensorboard.compat.proto.summary_pb2 import (  # type: ignore[import-untyped, unused-ignore]
+                    Summary,
+                )
 
-                image = timeline_image(step, self.plans[step.plan])
-                board.add_image("timeline", image, n, dataformats="HWC")
+                from .picture import png_bytes
+
+                data, width, height = png_bytes(step, self.plans[step.plan])
+                image = Summary.Image(
+                    height=height, width=width, colorspace=3, encoded_image_string=data
+                )
+                summary = Summary(value=[Summary.Value(tag="timeline", image=image)])
+                # the PNG as drawn: SummaryWriter.add_image would decode and encode it again
+                board._get_file_writer().add_summary(summary, n)
 
     def close(self) -> None:
         """Flush and close the files, then render the run (trace.json, timeline.png/html)."""
