@@ -4,7 +4,7 @@ Runs 4 processes over gloo; in the same processes, blocks of untraced and traced
 turns (so both see the same machine), each block a plain training loop with no barrier. Prints
 the time per step of each and the overhead, and rank 0's own cost of tracing per step::
 
-    python -m benchmarks.trace_overhead                 # F = 3 ms, chunks 8, ~3 minutes
+    python -m benchmarks.trace_overhead                 # F = 3 ms, chunks 8, ~2.5 minutes
     python -m benchmarks.trace_overhead --rounds 1 --steps 20
 """
 
@@ -82,9 +82,10 @@ def worker(args: argparse.Namespace) -> None:
     blocks = {"plain": [], "traced": []}
     spent.clear()
     writing.clear()
-    for _ in range(args.rounds):
-        block(plain, "plain", args.steps)
-        block(traced, "traced", args.steps)
+    for n in range(args.rounds):  # alternate which goes first, against drifts of the machine
+        first, second = ((plain, "plain"), (traced, "traced"))[:: 1 if n % 2 == 0 else -1]
+        block(*first, args.steps)
+        block(*second, args.steps)
     traced.close()
     costs: list[list[float]] = [[] for _ in range(4)]
     torch.distributed.all_gather_object(costs, spent)
@@ -102,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--f-ms", type=float, default=3.0, help="forward sleep per layer (ms)")
     parser.add_argument("--chunks", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=50, help="steps per block")
-    parser.add_argument("--rounds", type=int, default=3, help="plain/traced block pairs")
+    parser.add_argument("--steps", type=int, default=20, help="steps per block")
+    parser.add_argument("--rounds", type=int, default=10, help="plain/traced block pairs")
     parser.add_argument("--every", type=int, default=50, help="trace_every (timeline images)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--trace-dir", default="", help=argparse.SUPPRESS)
@@ -135,7 +136,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"untraced step: {plain * ms:.1f} ms (blocks: {_ms(record['blocks']['plain'])})")
     print(f"traced step:   {traced * ms:.1f} ms (blocks: {_ms(record['blocks']['traced'])})")
-    print(f"difference:    {(traced / plain - 1) * 100:+.2f} % of the step")
+    ratios = [t / p for p, t in zip(record["blocks"]["plain"], record["blocks"]["traced"])]
+    print(
+        f"difference:    {(traced / plain - 1) * 100:+.2f} % of the step (medians); per round "
+        f"pair: median {(statistics.median(ratios) - 1) * 100:+.2f} %, from "
+        f"{(min(ratios) - 1) * 100:+.1f} % to {(max(ratios) - 1) * 100:+.1f} %"
+    )
     for rank, spent in enumerate(record["end_step"]):
         print(
             f"rank {rank}, training loop's share of tracing per step: median "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,7 +68,8 @@ def render(
 
     Args:
         directory: the trace directory of the run.
-        step: the step to draw (default: the last one recorded).
+        step: the step to draw (default: the last one with the run's most frequent plan,
+            e.g. the last training step rather than an evaluation after it).
         out: where to write the files.
         images: also write the PNG.
         quiet: do not print the summary.
@@ -84,6 +86,10 @@ def render(
     if not steps:
         raise ValueError(f"{directory} has no recorded steps yet; run at least one step first")
     plans = load_plans(directory)
+    # The run's main kind of step (e.g. training, not the evaluation between): its plan is the
+    # most frequent one; the summary covers those steps and the default picture the last one.
+    common = Counter(s.plan for s in steps).most_common(1)[0][0]
+    steps = [s for s in steps if s.plan == common] if step is None else steps
     chosen = steps[-1]
     if step is not None:
         found = [s for s in steps if s.step == step]
@@ -93,7 +99,7 @@ def render(
                 f"{steps[-1].step}); pass one of those"
             )
         chosen = found[0]
-    measured = steady(steps)
+    measured = steady([s for s in steps if s.plan == chosen.plan])
     summary = summarize(measured)
     text = _table(measured, summary)
     files = {"trace": target / "trace.json", "html": target / "timeline.html"}
@@ -114,8 +120,9 @@ def render(
         try:
             write_png(chosen, plan, target / "timeline.png")
             files["png"] = target / "timeline.png"
-        except ImportError:
-            lines.append("timeline.png needs Pillow: pip install pillow")
+        except (ImportError, RuntimeError):  # no Pillow
+            text += "\n(timeline.png needs Pillow: pip install pillow)"
+    text = "\n".join([text, *lines[1:]])
     if not quiet:
         print(text)
         for name, path in files.items():

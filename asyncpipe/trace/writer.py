@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
@@ -38,7 +40,8 @@ class TraceWriter:
     Args:
         directory: where to write (created if missing).
         every: steps between timeline images (the first step gets one).
-        images: draw timeline images (they need Pillow).
+        images: draw timeline images (they need Pillow, ``pip install asyncpipe[trace]``;
+            without it the trace is written without them, with a warning).
         tensorboard: write TensorBoard event files.
 
     Example:
@@ -66,6 +69,13 @@ class TraceWriter:
     def open(self, config: Mapping[str, object]) -> None:
         """Start a run: create the directory, write the configuration."""
         self.directory.mkdir(parents=True, exist_ok=True)
+        if self.images and importlib.util.find_spec("PIL") is None:
+            warnings.warn(
+                "timeline images need Pillow, which is not installed; the trace is written "
+                "without them (pip install pillow to get them)",
+                stacklevel=2,
+            )
+            self.images = False
         (self.directory / CONFIG).write_text(json.dumps(dict(config), indent=1, default=str))
         self._events = (self.directory / EVENTS).open("w")
         if self.tensorboard:
