@@ -299,3 +299,23 @@ def test_render_picks_a_step(tmp_path: Path) -> None:
     assert rendered.step.step == 0 and set(rendered.files) == {"trace", "html"}
     with pytest.raises(ValueError, match="step 5 is not in"):
         render(tmp_path, step=5, quiet=True)
+
+
+def test_without_pillow_the_trace_goes_on_without_images(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "PIL" else real(name, *a)
+    )
+    writer = TraceWriter(tmp_path)
+    with pytest.warns(UserWarning, match="timeline images need Pillow"):
+        writer.open({"chunks": 1})
+    assert writer.images is False
+    writer.add_plan("1/train", lower(build("gpipe", 2, 1)))
+    writer.write(StepTrace(0, 100.0, 0.5, 8, _step().ranks, "1/train"))
+    writer.close()
+    assert load_steps(tmp_path)[0].loss == 0.5
+    assert not (tmp_path / "timeline.png").exists() and (tmp_path / "timeline.html").exists()

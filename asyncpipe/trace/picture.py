@@ -15,7 +15,7 @@ __all__: list[str] = []
 
 def titles(step: StepTrace, plan: Plan | None) -> tuple[str, str]:
     """Headings of the measured and the ideal picture."""
-    measured = f"step {step.step}, measured: {step.makespan * 1e3:.1f} ms"
+    measured = f"step {step.step}, measured (times in ms): {step.makespan * 1e3:.1f} ms"
     if plan is None:
         return measured, ""
     ideal = step.ideal(plan)
@@ -47,9 +47,10 @@ def svgs(step: StepTrace, plan: Plan | None) -> list[str]:
     """The measured step and (with a plan) its ideal, as SVG documents (times in ms)."""
     heading, ideal_heading = titles(step, plan)
     ms = _in_ms(step)
-    out = [timeline_svg(ms.simulation(), heading)]
+    span = ms.makespan  # both on one time scale
+    out = [timeline_svg(ms.simulation(), heading, axis_end=span)]
     if plan is not None:
-        out.append(timeline_svg(ms.ideal(plan), ideal_heading))
+        out.append(timeline_svg(ms.ideal(plan), ideal_heading, axis_end=span))
     return out
 
 
@@ -60,9 +61,10 @@ def png_bytes(step: StepTrace, plan: Plan | None) -> tuple[bytes, int, int]:
 
     heading, ideal_heading = titles(step, plan)
     ms = _in_ms(step)
-    images = [timeline_image(ms.simulation(), heading)]
+    span = ms.makespan  # both on one time scale
+    images = [timeline_image(ms.simulation(), heading, span)]
     if plan is not None:
-        images.append(timeline_image(ms.ideal(plan), ideal_heading))
+        images.append(timeline_image(ms.ideal(plan), ideal_heading, span))
     width = max(i.width for i in images)
     canvas = Image.new("RGB", (width, sum(i.height for i in images)), "#ffffff")
     y = 0

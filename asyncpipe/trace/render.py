@@ -45,8 +45,8 @@ def _table(steps: list[StepTrace], summary: list[StageSummary]) -> str:
             f"{s.peak_memory / 2**20:>9.0f}"
         )
     lines.append(
-        "busy: forward, backward, weight gradient; comm: sends, receives (with their waits) "
-        "and the end-of-step exchange; idle: all but busy"
+        "busy: F, B, W; comm: sends, receives with their waits, end-of-step exchange; "
+        "idle: not busy"
     )
     return "\n".join(lines)
 

@@ -31,7 +31,8 @@ class TraceWriter:
       ``idle_fraction/rank<r>`` and ``peak_memory_mib/rank<r>``; every ``every`` steps a
       ``timeline`` image (the measured step above the simulated ideal of the same plan) with
       ``pipeline/ideal_bubble_fraction`` and ``pipeline/ideal_step_seconds``; the configuration
-      as text (``config``);
+      as text (``config``); inference steps (``pipe(x)`` under ``no_grad`` or ``eval()``) only
+      get ``eval/step_seconds``, ``eval/samples_per_second`` and ``eval/bubble_fraction``;
     - ``events.jsonl`` (one line per step, every rank's events on rank 0's clock),
       ``plans.json`` and ``config.json``, which ``python -m asyncpipe.trace DIR`` reads;
     - at :meth:`close`: ``trace.json`` (Chrome trace / Perfetto), ``timeline.png`` and
@@ -101,6 +102,12 @@ class TraceWriter:
             return
         n = step.step
         seconds = step.makespan
+        if step.plan.endswith("/eval"):  # inference between training steps: kept apart
+            board.add_scalar("eval/step_seconds", seconds, n)
+            if step.samples and seconds > 0:
+                board.add_scalar("eval/samples_per_second", step.samples / seconds, n)
+            board.add_scalar("eval/bubble_fraction", step.bubble, n)
+            return
         if step.loss is not None:
             board.add_scalar("train/loss", step.loss, n)
         board.add_scalar("train/step_seconds", seconds, n)
