@@ -329,6 +329,16 @@ class AsyncPipe(nn.Module):
             with self._recorder.span(name):
                 yield
 
+    def trace_optimizer(self, optimizer: torch.optim.Optimizer, name: str = "optimizer") -> None:
+        """Time every ``optimizer.step()`` into the trace (through the optimizer's step hooks),
+        as :meth:`trace_span` would; nothing happens when not tracing.
+
+        Example:
+            >>> pipe.trace_optimizer(optimizer)   # doctest: +SKIP
+        """
+        if self._recorder is not None:
+            self._recorder.watch(optimizer, name)
+
     def close(self) -> None:
         """Finish the trace (rank 0 writes the last step, the Chrome trace and the timeline
         pictures); call it on every rank after the last step. Nothing to do when not tracing."""

@@ -319,3 +319,25 @@ def test_without_pillow_the_trace_goes_on_without_images(
     writer.close()
     assert load_steps(tmp_path)[0].loss == 0.5
     assert not (tmp_path / "timeline.png").exists() and (tmp_path / "timeline.html").exists()
+
+
+def test_optimizer_steps_are_traced_through_its_hooks(tmp_path: Path) -> None:
+    model = mlp(2)
+
+    def fn(rank: int, transport: Transport) -> None:
+        pipe = AsyncPipe(model, [1, 1], chunks=2, transport=transport, trace=tmp_path)
+        optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        pipe.trace_optimizer(optimizer, "sgd")
+        for _ in range(3):
+            pipe.step(torch.randn(4, 8), torch.randn(4, 8), mse)
+            optimizer.step()
+        pipe.close()
+
+    values(run_threads(fn, 2))
+    steps = load_steps(tmp_path)
+    spans = [(s.step, rank, name) for s in steps for rank, name, _, _ in s.extra]
+    # each optimizer step lands in the payload of the step after it (the last one in none)
+    assert sorted(spans) == [(1, 0, "sgd"), (1, 1, "sgd"), (2, 0, "sgd"), (2, 1, "sgd")]
+    for s in steps:
+        for _, _, start, end in s.extra:
+            assert start < end < s.makespan  # after the last step, around the next one's start

@@ -123,6 +123,25 @@ class Recorder:
             yield
         self._extra.append((name, start + self.offset, time.perf_counter() + self.offset))
 
+    def watch(self, optimizer: torch.optim.Optimizer, name: str) -> None:
+        """Time every ``optimizer.step()`` as a span, through the optimizer's step hooks."""
+        open_spans: list[tuple[float, contextlib.ExitStack]] = []
+
+        def before(*_: object) -> None:
+            profiled = contextlib.ExitStack()
+            profiled.enter_context(record_function(name))
+            open_spans.append((time.perf_counter(), profiled))
+
+        def after(*_: object) -> None:
+            if open_spans:
+                start, profiled = open_spans.pop()
+                profiled.close()
+                end = time.perf_counter()
+                self._extra.append((name, start + self.offset, end + self.offset))
+
+        optimizer.register_step_pre_hook(before)
+        optimizer.register_step_post_hook(after)
+
     def add(self, report: StepReport) -> None:
         """One run of the runtime (a whole step, or its forward or backward phase)."""
         if self._phase_start is None:
