@@ -94,11 +94,17 @@ def test_bubble_is_a_fraction_near_the_simulated_one(gloo_run: Path) -> None:
     measured = {e.step: e.value for e in board.Scalars("pipeline/bubble_fraction")}
     ideal = {e.step: e.value for e in board.Scalars("pipeline/ideal_bubble_fraction")}
     assert all(0 < v < 1 for v in measured.values())
-    # GPipe over 3 stages and 4 micro-batches with B = 2F: (S - 1) / (M + S - 1) idle.
-    assert ideal[2] == pytest.approx(2 / 6, abs=0.05)
-    # the closest step of the warm ones: a busy machine may delay any single step
-    closest = min(abs(measured[n] - ideal[2]) for n in (1, 2, 3))
-    assert closest < 0.1, (measured, ideal)
+    # GPipe over 3 stages and 4 micro-batches with B = 2F: (S - 1) / (M + S - 1) = 1/3 idle,
+    # give or take how evenly the stages' measured compute times came out.
+    assert 0.25 < ideal[0] < 0.45 and 0.25 < ideal[2] < 0.45, ideal
+    steps = load_steps(gloo_run)
+    plans = load_plans(gloo_run)
+    for s in steps:  # the TensorBoard values are those of the recorded steps
+        assert measured[s.step] == pytest.approx(s.bubble, abs=1e-6)
+    assert ideal[2] == pytest.approx(steps[2].ideal(plans[steps[2].plan]).total_bubble, abs=1e-6)
+    # the closest of the warm steps to its own ideal: a busy machine may delay any single step
+    gaps = [abs(s.bubble - s.ideal(plans[s.plan]).total_bubble) for s in steps[1:]]
+    assert min(gaps) < 0.1, (measured, ideal, gaps)
     for rank in range(3):
         idle = board.Scalars(f"idle_fraction/rank{rank}")
         assert all(0 < e.value < 1 for e in idle)
