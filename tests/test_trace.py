@@ -347,3 +347,22 @@ def test_optimizer_steps_are_traced_through_its_hooks(tmp_path: Path) -> None:
     for s in steps:
         for _, _, start, end in s.extra:
             assert start < end < s.makespan  # after the last step, around the next one's start
+
+
+def test_a_run_without_close_is_written_at_exit(tmp_path: Path) -> None:
+    script = f"""
+import torch
+from asyncpipe import AsyncPipe
+from asyncpipe.transport import InProcessHub
+model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+transport = InProcessHub(1).transport(0)
+pipe = AsyncPipe(model, [2], chunks=2, transport=transport, trace={str(tmp_path)!r})
+for _ in range(3):
+    pipe.step(torch.randn(4, 4), torch.randn(4, 4), torch.nn.functional.mse_loss)
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert [s.step for s in load_steps(tmp_path)] == [0, 1]  # the last one was on its way
+    assert (tmp_path / "trace.json").exists() and (tmp_path / "timeline.html").exists()

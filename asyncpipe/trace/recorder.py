@@ -16,6 +16,7 @@ only hands bytes over.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import queue
@@ -114,6 +115,7 @@ class Recorder:
             self._thread = threading.Thread(target=self._write_loop, name="asyncpipe-trace")
             self._thread.daemon = True
             self._thread.start()
+            atexit.register(self._at_exit)  # a run that never calls close() keeps its trace
 
     @contextlib.contextmanager
     def span(self, name: str) -> Iterator[None]:
@@ -141,6 +143,12 @@ class Recorder:
 
         optimizer.register_step_pre_hook(before)
         optimizer.register_step_post_hook(after)
+
+    def _at_exit(self) -> None:
+        """Write what rank 0 holds when the process ends without :meth:`close` (the peers'
+        payloads still on their way are dropped: the process group may be gone)."""
+        with contextlib.suppress(Exception):
+            self.close(drain=False)
 
     def add(self, report: StepReport) -> None:
         """One run of the runtime (a whole step, or its forward or backward phase)."""
@@ -218,6 +226,7 @@ class Recorder:
         if self.closed:
             return
         self.closed = True
+        atexit.unregister(self._at_exit)
         if self.rank != 0:
             if drain and self.started:
                 with contextlib.suppress(Exception):
