@@ -31,3 +31,21 @@ def test_train_lm_runs_under_torchrun(tmp_path: Path) -> None:
     assert "idle" in result.stdout
     assert f"trace: {tmp_path / 'trace'}" in result.stdout
     assert (tmp_path / "trace" / "timeline.html").exists()
+
+
+def test_progress_bar_redraws_one_line_on_a_terminal(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    from train_lm import Progress
+
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    bar = Progress(10, enabled=True, width=10)
+    bar.update(5, 2.5, 0.1234)
+    bar.clear()
+    out = capsys.readouterr().out
+    assert out.startswith("\r[#####.....] step 5/10  loss 2.5000  step  123.4 ms")
+    assert "\n" not in out
+    quiet = Progress(10, enabled=False)
+    quiet.update(1, 1.0, 0.1)
+    assert capsys.readouterr().out == ""
