@@ -15,6 +15,7 @@ table { border-collapse: collapse; margin: 12px 0 24px; }
 th, td { padding: 4px 12px; border-bottom: 1px solid #ddd; text-align: right; }
 th:first-child, td:first-child { text-align: left; }
 .timeline { margin: 12px 0; overflow-x: auto; }
+.timeline svg { max-width: 100%; height: auto; }
 .note { color: #777; }
 """
 
