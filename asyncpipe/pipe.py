@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,6 +29,8 @@ from .shared import SharedWeights
 from .skip.layer import Skippable
 from .skip.routes import SkipRoutes, skip_routes
 from .skip.verify import probe, verify_skippables
+from .trace import TraceWriter
+from .trace.recorder import Recorder
 from .transport import P2PTransport, RPCTransport, Transport
 
 __all__: list[str] = []
@@ -150,6 +155,10 @@ class AsyncPipe(nn.Module):
             :func:`~asyncpipe.sequentialize` model, or ``"<position>.<name>"`` in the
             ``nn.Sequential``); their gradients are summed across the owning stages after
             each backward.
+        trace: a directory, or a :class:`~asyncpipe.trace.TraceWriter`: every rank times each
+            action it runs and rank 0 writes TensorBoard scalars, timeline pictures and a
+            Chrome trace there (see :mod:`asyncpipe.trace`); call :meth:`close` at the end.
+        trace_every: steps between timeline pictures when ``trace`` is a directory.
 
     Example:
         >>> import asyncpipe, torch                                  # doctest: +SKIP
@@ -177,6 +186,8 @@ class AsyncPipe(nn.Module):
         data_parallel_size: int = 1,
         sample: Tensor | tuple[Tensor, ...] | None = None,
         shared_weights: Sequence[Sequence[str] | str] = (),
+        trace: str | os.PathLike[str] | TraceWriter | None = None,
+        trace_every: int = 50,
     ) -> None:
         super().__init__()
         if isinstance(balance, str):
@@ -205,6 +216,13 @@ class AsyncPipe(nn.Module):
             problems.append(f"loss_scale must be a positive number (got {loss_scale!r})")
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             problems.append(f"timeout must be a positive number of seconds (got {timeout!r})")
+        if not (trace is None or isinstance(trace, (str, os.PathLike, TraceWriter))):
+            problems.append(
+                f"trace must be a directory or a TraceWriter (got {type(trace).__name__}); pass "
+                f"e.g. trace='runs/exp1'"
+            )
+        if not (isinstance(trace_every, int) and trace_every > 0):
+            problems.append(f"trace_every must be a positive number of steps (got {trace_every!r})")
         if isinstance(transport, str):
             if transport not in ("p2p", "rpc"):
                 problems.append(
@@ -344,6 +362,24 @@ class AsyncPipe(nn.Module):
                 list(self.parameters()), data_parallel_group, self.data_parallel_size, self.device
             )
             self._runtime.after_backward = self._averager.start
+        self._recorder: Recorder | None = None
+        if trace is not None:
+            writer = trace if isinstance(trace, TraceWriter) else TraceWriter(trace, trace_every)
+            config = {
+                "ranks": self.num_stages,
+                "balance": self.balance,
+                "chunks": self.chunks,
+                "schedule": schedule if isinstance(schedule, str) else "custom plan",
+                "virtual_stages": virtual_stages,
+                "checkpoint": checkpoint,
+                "transport": type(transport).__name__
+                + (f" ({dist.get_backend()})" if dist.is_initialized() else ""),
+                "deferred_batch_norm": self.deferred_batch_norm,
+                "device": str(self.device),
+            }
+            self._recorder = Recorder(
+                writer, transport, self.timeout, self.device, self._runtime.plan_for, config
+            )
         self._last_segment = len(segments) - 1
         self._first_rank = segments[0].stage
         self._last_rank = segments[-1].stage
@@ -417,6 +453,8 @@ class AsyncPipe(nn.Module):
     ) -> Work:
         self._guard()
         try:
+            if self._recorder is not None:
+                self._recorder.begin()
             work, report = self._runtime.run(prepare, phase or (lambda a: True), resume=resume)
             if self.deferred_batch_norm and resume is None:  # the forwards of a mini-batch ran
                 commit_all(self.layers)
@@ -429,7 +467,53 @@ class AsyncPipe(nn.Module):
             self._broken = StageFailure(str(e), rank=self.stage, stage=-1, microbatch=-1, action="")
             raise
         self.last_step = report
+        if self._recorder is not None:
+            self._recorder.add(report)
         return work
+
+    def _traced(self, work: Work, loss: float | None) -> None:
+        """Hand the finished step to the recorder (if tracing)."""
+        if self._recorder is not None:
+            samples = sum(int(x[0].shape[0]) for x in work.inputs or () if x and x[0].dim())
+            m, train = work.microbatches, work.train
+            self._recorder.end_step(loss=loss, samples=samples, microbatches=m, train=train)
+
+    @property
+    def trace_directory(self) -> Path | None:
+        """Where this pipeline's trace goes (``None`` when not tracing)."""
+        return None if self._recorder is None else self._recorder.writer.directory
+
+    @contextlib.contextmanager
+    def trace_span(self, name: str) -> Iterator[None]:
+        """Time a block of the training loop (e.g. the optimizer step) into the trace and a
+        ``torch.profiler`` range named ``name``.
+
+        Example:
+            >>> with pipe.trace_span("optimizer"):   # doctest: +SKIP
+            ...     optimizer.step()
+        """
+        if self._recorder is None:
+            with torch.autograd.profiler.record_function(name):
+                yield
+        else:
+            with self._recorder.span(name):
+                yield
+
+    def trace_optimizer(self, optimizer: torch.optim.Optimizer, name: str = "optimizer") -> None:
+        """Time every ``optimizer.step()`` into the trace (through the optimizer's step hooks),
+        as :meth:`trace_span` would; nothing happens when not tracing.
+
+        Example:
+            >>> pipe.trace_optimizer(optimizer)   # doctest: +SKIP
+        """
+        if self._recorder is not None:
+            self._recorder.watch(optimizer, name)
+
+    def close(self) -> None:
+        """Finish the trace (rank 0 writes the last step, the Chrome trace and the timeline
+        pictures); call it on every rank after the last step. Nothing to do when not tracing."""
+        if self._recorder is not None:
+            self._recorder.close(drain=self._broken is None)
 
     def _scatter(self, value: object, what: str, microbatches: int | None) -> list[Tensors]:
         if value is None:
@@ -511,7 +595,9 @@ class AsyncPipe(nn.Module):
         self._shared.reduce(before)
         if self.scaler is not None:
             self._settle_scale()
-        return work.loss_sum / work.microbatches
+        loss = work.loss_sum / work.microbatches
+        self._traced(work, loss)
+        return loss
 
     def _settle_scale(self) -> None:
         """float16: drop the step's gradients everywhere if any stage overflowed, else unscale."""
@@ -588,6 +674,7 @@ class AsyncPipe(nn.Module):
         last = self._last_segment if self.is_last_stage else max(self._runtime.segments)
         outputs = [work.outputs[(last, i)] for i in range(work.microbatches)]
         if not train:
+            self._traced(work, None)
             return unwrap(gather(outputs))
         self._pending = work
         if not self.is_last_stage:
@@ -610,6 +697,7 @@ class AsyncPipe(nn.Module):
         if self._averager is not None:
             self._averager.finish()
         self._shared.reduce(before)
+        self._traced(work, None)
 
     def back_helper(self, output: object = None) -> None:
         """Take part in the backward of the last :meth:`forward` on a stage other than the last.

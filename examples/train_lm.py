@@ -8,7 +8,9 @@ Run it with::
 Every process builds the same model from the same seed, keeps the layers of its own stage and
 runs its part of every step; micro-batches stream through the stages.  The corpus is
 ``examples/data/stdlib_docs.txt`` (see ``examples/data/make_corpus.py``).  Rank 0 prints the
-progress, and at the end how long a step took and how much of it each stage sat idle.
+progress (a one-line progress bar in a terminal), and at the end how long a step took and how
+much of it each stage sat idle.  The run is traced into ``--trace`` (default ``runs/train_lm``):
+open it with ``tensorboard --logdir runs`` or ``python -m asyncpipe.trace runs/train_lm``.
 """
 
 from __future__ import annotations
@@ -74,6 +76,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="characters to generate through the pipeline at the end (0: none)",
     )
     parser.add_argument("--data", type=Path, default=DATA, help="plain-text training corpus")
+    parser.add_argument(
+        "--trace",
+        default="runs/train_lm",
+        help="trace directory for TensorBoard and python -m asyncpipe.trace ('' for none)",
+    )
+    parser.add_argument("--trace-every", type=int, default=50, help="steps between timelines")
     args = parser.parse_args(argv)
     for name in ("steps", "chunks", "batch_size", "seq_len", "dim", "depth", "heads"):
         if getattr(args, name) < 1:
@@ -234,6 +242,27 @@ class Timing:
     busy: float = 0.0  # pipe.last_step.busy_seconds
 
 
+class Progress:
+    """A one-line progress bar redrawn with a carriage return (only on a terminal)."""
+
+    def __init__(self, total: int, enabled: bool, width: int = 24) -> None:
+        self.total, self.width = total, width
+        self.enabled = enabled and sys.stdout.isatty()
+
+    def update(self, step: int, loss: float, seconds: float) -> None:
+        if not self.enabled:
+            return
+        done = round(self.width * step / self.total)
+        bar = "#" * done + "." * (self.width - done)
+        line = f"[{bar}] step {step}/{self.total}  loss {loss:.4f}  step {seconds * 1e3:6.1f} ms"
+        print("\r" + line, end="", flush=True)
+
+    def clear(self) -> None:
+        """Wipe the bar before an ordinary line is printed."""
+        if self.enabled:
+            print("\r" + " " * (self.width + 60) + "\r", end="", flush=True)
+
+
 def main() -> None:
     """Train, report, sample."""
     args = parse_args()
@@ -256,7 +285,12 @@ def main() -> None:
     total_params = sum(p.numel() for p in model.parameters())
     balance = parse_balance(args.balance, model, args.seq_len, world, rank)
     pipe = asyncpipe.AsyncPipe(
-        model, balance=balance, chunks=args.chunks, checkpoint=args.checkpoint
+        model,
+        balance=balance,
+        chunks=args.chunks,
+        checkpoint=args.checkpoint,
+        trace=args.trace or None,
+        trace_every=args.trace_every,
     )
     del model  # this rank keeps only its stage's layers
     local_params = sum(p.numel() for p in pipe.parameters())
@@ -300,6 +334,7 @@ def main() -> None:
     generator = torch.Generator().manual_seed(args.seed + 1)  # same batches on every rank
     timing = Timing(stage=pipe.stage)
     losses: list[float] = []
+    progress = Progress(args.steps, enabled=rank == 0)
     started = last_log = time.perf_counter()
     logged = 0
     for step in range(args.steps):
@@ -311,9 +346,11 @@ def main() -> None:
             targets if pipe.is_last_stage else None,
             lm_loss,
         )
-        optimizer.step()
-        scheduler.step()
+        with pipe.trace_span("optimizer"):
+            optimizer.step()
+            scheduler.step()
         finished = time.perf_counter()
+        progress.update(step + 1, loss, finished - begun)
         losses.append(loss)
         report = pipe.last_step
         if step > 0 and report is not None:  # the first step pays for warm-up
@@ -323,6 +360,7 @@ def main() -> None:
             timing.busy += report.busy_seconds
         if (step + 1) % log_every == 0 or step in (0, args.steps - 1):
             rate = (step + 1 - logged) * tokens_per_step / max(finished - last_log, 1e-9)
+            progress.clear()
             say(
                 f"step {step + 1:5d}/{args.steps}  loss {loss:.4f}  "
                 f"{rate:9,.0f} tokens/s  lr {scheduler.get_last_lr()[0]:.2e}",
@@ -367,6 +405,13 @@ def main() -> None:
         sample = generate(pipe, corpus, args)
         say(f"sample (prompt: {args.seq_len} characters of validation text):\n---\n{sample}\n---")
 
+    pipe.close()  # rank 0 writes the last step, the timeline and the Chrome trace
+    if pipe.trace_directory is not None:
+        where = pipe.trace_directory
+        say(
+            f"trace: {where} (tensorboard --logdir {where}; python -m asyncpipe.trace {where}; "
+            f"Chrome trace {where / 'trace.json'})"
+        )
     dist.barrier()  # every rank is done before any tears the process group down
     dist.destroy_process_group()
 

@@ -15,12 +15,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.slow
-def test_train_lm_runs_under_torchrun() -> None:
+def test_train_lm_runs_under_torchrun(tmp_path: Path) -> None:
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
         "--master-addr=127.0.0.1", f"--master-port={free_port()}",
         str(ROOT / "examples" / "train_lm.py"),
         "--steps", "8", "--dim", "32", "--depth", "2", "--log-every", "4", "--sample-chars", "20",
+        "--trace", str(tmp_path / "trace"), "--trace-every", "4",
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1")
     result = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
@@ -28,6 +29,8 @@ def test_train_lm_runs_under_torchrun() -> None:
     losses = [float(v) for v in re.findall(r"step +\d+/\d+ +loss (\d+\.\d+)", result.stdout)]
     assert len(losses) >= 2 and losses[-1] < losses[0], result.stdout
     assert "idle" in result.stdout
+    assert f"trace: {tmp_path / 'trace'}" in result.stdout
+    assert (tmp_path / "trace" / "timeline.html").exists()
 
 
 @pytest.mark.slow
@@ -63,3 +66,21 @@ def test_train_cutpoint_runs_under_torchrun() -> None:
     assert len(losses) >= 2 and losses[-1] < losses[0], result.stdout
     assert "balance found by timing them: [2, 2]" in result.stdout, result.stdout
     assert "differ by 0.0" in result.stdout, result.stdout
+
+
+def test_progress_bar_redraws_one_line_on_a_terminal(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    from train_lm import Progress
+
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    bar = Progress(10, enabled=True, width=10)
+    bar.update(5, 2.5, 0.1234)
+    bar.clear()
+    out = capsys.readouterr().out
+    assert out.startswith("\r[#####.....] step 5/10  loss 2.5000  step  123.4 ms")
+    assert "\n" not in out
+    quiet = Progress(10, enabled=False)
+    quiet.update(1, 1.0, 0.1)
+    assert capsys.readouterr().out == ""

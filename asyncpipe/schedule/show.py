@@ -6,7 +6,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 from xml.sax.saxutils import escape, quoteattr
 
 from .action import Action, Plan
@@ -188,10 +188,10 @@ def _text_width(text: str, size: float) -> float:
     return len(text) * size * _CHAR
 
 
-def _layout(simulation: Simulation, title: str) -> _Picture:
+def _layout(simulation: Simulation, title: str, axis_end: float = 0.0) -> _Picture:
     ranks = sorted(simulation.timeline)
     entries = [e for rank in ranks for e in simulation.timeline[rank]]
-    span = max([simulation.makespan] + [end for _, _, end in entries])
+    span = max([simulation.makespan, axis_end] + [end for _, _, end in entries])
     span = span if span > 0 else 1.0
     durations = [end - start for _, start, end in entries if end - start > 0]
     shortest = min(durations, default=span)
@@ -316,7 +316,7 @@ def _svg_shape(shape: _Shape) -> str:
     )
 
 
-def timeline_svg(simulation: Simulation, title: str = "") -> str:
+def timeline_svg(simulation: Simulation, title: str = "", *, axis_end: float = 0.0) -> str:
     """A self-contained SVG Gantt chart of a simulated plan.
 
     One row per rank and one box per entry of ``simulation.timeline``, spanning its start to end
@@ -329,6 +329,7 @@ def timeline_svg(simulation: Simulation, title: str = "") -> str:
     Args:
         simulation: what :func:`~asyncpipe.schedule.simulate` returned.
         title: a heading for the picture (also its SVG ``<title>``); none if empty.
+        axis_end: draw the time axis at least this far (to put two pictures on one scale).
 
     Returns:
         the SVG document as text.
@@ -339,7 +340,7 @@ def timeline_svg(simulation: Simulation, title: str = "") -> str:
         >>> svg.startswith("<svg") and svg.count('class="action') == 8
         True
     """
-    picture = _layout(simulation, title)
+    picture = _layout(simulation, title, axis_end)
     width, height = _svg_number(picture.width), _svg_number(picture.height)
     lines = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
@@ -370,6 +371,12 @@ def timeline_png(simulation: Simulation, path: str | Path, title: str = "") -> N
         >>> from asyncpipe.schedule import Costs, build, simulate
         >>> timeline_png(simulate(build("1f1b", 4, 8), Costs()), "1f1b.png")  # doctest: +SKIP
     """
+    timeline_image(simulation, title).save(Path(path), format="PNG")
+
+
+def timeline_image(simulation: Simulation, title: str = "", axis_end: float = 0.0) -> Any:
+    """The picture of :func:`timeline_png` as a Pillow image (RGB), not written anywhere;
+    ``axis_end`` as in :func:`timeline_svg`."""
     try:
         from PIL import Image, ImageDraw, ImageFont  # type: ignore[import-not-found, unused-ignore]
     except ImportError as e:
@@ -379,7 +386,7 @@ def timeline_png(simulation: Simulation, path: str | Path, title: str = "") -> N
         ) from e
 
     zoom = 2.0
-    picture = _layout(simulation, title)
+    picture = _layout(simulation, title, axis_end)
     size = (math.ceil(picture.width * zoom), math.ceil(picture.height * zoom))
     image = Image.new("RGB", size, "#ffffff")
     draw = ImageDraw.Draw(image)
@@ -422,4 +429,4 @@ def timeline_png(simulation: Simulation, path: str | Path, title: str = "") -> N
                 font=font(shape.size, shape.bold),
                 anchor=anchors[shape.anchor],
             )
-    image.save(Path(path), format="PNG")
+    return image

@@ -1,0 +1,272 @@
+"""The recorder: each rank times its steps; rank 0 collects them, after each step, for the writer.
+
+The runtime already times every action of a step (``StepReport.events``) and wraps each in a
+``torch.profiler`` range named by the action string. The recorder adds the wait before a rank's
+first action and the end-of-step exchange, moves the times onto rank 0's clock and ships one
+small message per step to rank 0, after the step::
+
+    rank r:  step k ──> [payload k] ──send──>                       step k+1 ...
+    rank 0:  step k ──> post receives k ──> write step k-1 ──> step k+1 ...
+
+With a transport that takes receives early (gloo), rank 0 takes step ``k - 1``'s payloads after
+step ``k``, so it never waits for them; otherwise (NCCL) it takes step ``k``'s at once. Decoding
+and writing happen on a writer thread that the recorder starts and joins, so the training loop
+only hands bytes over.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import queue
+import resource
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch.autograd.profiler import record_function
+
+from ..failure import StepReport
+from ..schedule import Plan, forward_only, lower
+from ..transport import Message, PendingRecv, Transport
+from .clock import clock_offset
+from .run import SYNC, WAIT, Event, RankStep, StepTrace
+from .writer import TraceWriter
+
+__all__: list[str] = []
+
+TRACE_CHANNEL = (1 << 20) + 1
+_POLL = 0.25  # seconds between the writer thread's batches
+
+
+def peak_memory(device: torch.device) -> int:
+    """Peak bytes of this process: the CUDA allocator's on a GPU, else the resident set."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def _phase_events(report: StepReport, offset: float) -> list[Event]:
+    """The report's events on the shared clock, with the first wait and the end-of-step
+    exchange as events of their own."""
+    base = report.start + offset
+    events = [(name, base + start, base + end) for name, start, end in report.events]
+    first = min((start for _, start, _ in report.events), default=report.seconds)
+    last = max((end for _, _, end in report.events), default=first)
+    if first > 0:
+        events.insert(0, (WAIT, base, base + first))
+    if report.seconds > last:
+        events.append((SYNC, base + last, base + report.seconds))
+    return events
+
+
+class Recorder:
+    """One rank's recorder; on rank 0 it also owns the writer.
+
+    Args:
+        writer: where rank 0 writes (other ranks ignore it).
+        transport: the pipeline's transport (one extra channel carries the payloads).
+        timeout: seconds any wait may take.
+        device: where message tensors live.
+        plan_for: the unlowered plan for a number of micro-batches.
+        config: the run's configuration, written as text.
+    """
+
+    def __init__(
+        self,
+        writer: TraceWriter,
+        transport: Transport,
+        timeout: float,
+        device: torch.device,
+        plan_for: Callable[[int], Plan],
+        config: Mapping[str, object],
+    ) -> None:
+        self.writer, self.transport, self.timeout, self.device = writer, transport, timeout, device
+        self.plan_for, self.config = plan_for, dict(config)
+        self.rank = transport.rank
+        self.offset = 0.0
+        self.started = self.closed = False
+        self.step = 0
+        self._phases: list[Event] = []
+        self._phase_start: float | None = None
+        self._phase_end = 0.0
+        self._extra: list[Event] = []
+        self._plans: set[str] = set()
+        self._inbox: deque[tuple[dict[str, Any], dict[int, PendingRecv]]] = deque()
+        self._lag = 1 if transport.early_receives else 0
+        self._queue: queue.Queue[tuple[dict[str, Any], dict[int, bytes]] | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def begin(self) -> None:
+        """Align the clocks and open the writer: every rank, before the first step."""
+        if self.started:
+            return
+        self.started = True
+        self.offset = clock_offset(self.transport, self.timeout, self.device)
+        if self.rank == 0:
+            self.writer.open(self.config)
+            self._thread = threading.Thread(target=self._write_loop, name="asyncpipe-trace")
+            self._thread.daemon = True
+            self._thread.start()
+            atexit.register(self._at_exit)  # a run that never calls close() keeps its trace
+
+    @contextlib.contextmanager
+    def span(self, name: str) -> Iterator[None]:
+        """Time a block of the caller's (e.g. the optimizer step) into the next payload."""
+        start = time.perf_counter()
+        with record_function(name):
+            yield
+        self._extra.append((name, start + self.offset, time.perf_counter() + self.offset))
+
+    def watch(self, optimizer: torch.optim.Optimizer, name: str) -> None:
+        """Time every ``optimizer.step()`` as a span, through the optimizer's step hooks."""
+        open_spans: list[tuple[float, contextlib.ExitStack]] = []
+
+        def before(*_: object) -> None:
+            profiled = contextlib.ExitStack()
+            profiled.enter_context(record_function(name))
+            open_spans.append((time.perf_counter(), profiled))
+
+        def after(*_: object) -> None:
+            if open_spans:
+                start, profiled = open_spans.pop()
+                profiled.close()
+                end = time.perf_counter()
+                self._extra.append((name, start + self.offset, end + self.offset))
+
+        optimizer.register_step_pre_hook(before)
+        optimizer.register_step_post_hook(after)
+
+    def _at_exit(self) -> None:
+        """Write what rank 0 holds when the process ends without :meth:`close` (the peers'
+        payloads still on their way are dropped: the process group may be gone)."""
+        with contextlib.suppress(Exception):
+            self.close(drain=False)
+
+    def add(self, report: StepReport) -> None:
+        """One run of the runtime (a whole step, or its forward or backward phase)."""
+        if self._phase_start is None:
+            self._phase_start = report.start + self.offset
+        self._phases += _phase_events(report, self.offset)
+        self._phase_end = report.start + self.offset + report.seconds
+
+    def end_step(self, *, loss: float | None, samples: int, microbatches: int, train: bool) -> None:
+        """Ship the step's payload (rank 0 keeps its own) and write what has arrived."""
+        assert self._phase_start is not None
+        payload: dict[str, Any] = {
+            "start": self._phase_start,
+            "seconds": self._phase_end - self._phase_start,
+            "events": self._phases,
+            "peak_memory": peak_memory(self.device),
+            "samples": samples,
+            "extra": self._extra,
+        }
+        self._phases, self._extra, self._phase_start = [], [], None
+        step, self.step = self.step, self.step + 1
+        if self.rank != 0:
+            data = torch.frombuffer(bytearray(json.dumps(payload).encode()), dtype=torch.uint8)
+            message = Message(step % 2, step, (data.to(self.device),))
+            self.transport.send(0, TRACE_CHANNEL, message)
+            return
+        key = f"{microbatches}/{'train' if train else 'eval'}"
+        if key not in self._plans:
+            self._plans.add(key)
+            plan = lower(self.plan_for(microbatches))
+            self.writer.add_plan(key, plan if train else forward_only(plan))
+        payload.update(step=step, loss=loss, plan=key)
+        peers = range(1, self.transport.world_size)
+        # Two slots: a slot's next receive is posted only after its last message was taken,
+        # so a transport that sizes receives by slot (p2p over gloo) sees them in order.
+        posted = {p: self.transport.recv(p, TRACE_CHANNEL, step % 2) for p in peers}
+        self._inbox.append((payload, posted))
+        while len(self._inbox) > self._lag:
+            self._collect(*self._inbox.popleft())
+
+    def _collect(self, own: dict[str, Any], pending: dict[int, PendingRecv]) -> None:
+        """Take the peers' payloads of one step and hand them to the writer thread."""
+        raw = {}
+        for peer, receive in pending.items():
+            message = receive.wait(self.timeout)
+            tensor = message.tensors[0] if message.tensors else None
+            if message.error is not None or tensor is None:
+                raise RuntimeError(f"rank {peer} sent no trace of step {own['step']}")
+            raw[peer] = tensor.cpu().numpy().tobytes()
+        self._queue.put((own, raw))
+
+    def _write_loop(self) -> None:
+        """Write what arrived, a batch every ``_POLL`` seconds: the training loop never wakes
+        this thread, so the two meet for the interpreter lock only once per batch."""
+        done = False
+        while not done:
+            time.sleep(_POLL)
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    done = True
+                    break
+                if self._error is None:
+                    try:
+                        self.writer.write(assemble(*item))
+                    except BaseException as e:  # reported by close()
+                        self._error = e
+
+    def close(self, drain: bool = True) -> None:
+        """Write what is still due (``drain``) and close the writer; rank 0 also renders the
+        timeline and the Chrome trace of the run."""
+        if self.closed:
+            return
+        self.closed = True
+        atexit.unregister(self._at_exit)
+        if self.rank != 0:
+            if drain and self.started:
+                with contextlib.suppress(Exception):
+                    self.transport.flush(self.timeout)
+            return
+        try:
+            while drain and self._inbox:
+                self._collect(*self._inbox.popleft())
+        finally:
+            self._inbox.clear()
+            if self._thread is not None:
+                self._queue.put(None)
+                self._thread.join()
+            if self.started:
+                self.writer.close()
+        if self._error is not None:
+            raise RuntimeError(f"the trace writer failed: {self._error}") from self._error
+
+
+def assemble(own: dict[str, Any], raw: Mapping[int, bytes]) -> StepTrace:
+    """Rank 0's payload and the others' (JSON bytes) as one step on rank 0's clock."""
+    payloads = {0: own, **{peer: json.loads(data.decode()) for peer, data in raw.items()}}
+    # The step begins with the first action anywhere (the first stage's first forward):
+    # a rank that waited for it before is not inside the step yet.
+    actions = [s for p in payloads.values() for n, s, _ in p["events"] if n != WAIT]
+    origin = min(actions or [p["start"] for p in payloads.values()])
+
+    def shift(events: list[Any]) -> tuple[Event, ...]:
+        moved = ((str(n), max(s, origin) - origin, e - origin) for n, s, e in events)
+        return tuple(e for e in moved if e[2] > e[1] or e[0] != WAIT)
+
+    ranks = {}
+    for rank, p in sorted(payloads.items()):
+        start = max(p["start"], origin)
+        seconds = p["start"] + p["seconds"] - start
+        ranks[rank] = RankStep(start - origin, seconds, shift(p["events"]), p["peak_memory"])
+    extra = tuple(
+        (rank, str(n), s - origin, e - origin)
+        for rank, p in sorted(payloads.items())
+        for n, s, e in p["extra"]
+    )
+    samples = sum(int(p["samples"]) for p in payloads.values())
+    return StepTrace(own["step"], origin, own["loss"], samples, ranks, own["plan"], extra)

@@ -1,0 +1,169 @@
+"""The trace writer: TensorBoard scalars, timeline pictures and the config, on rank 0."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import IO, Any
+
+from ..schedule import Plan, format_plan, parse_plan
+from .run import StepTrace
+
+__all__ = ["TraceWriter"]
+
+EVENTS = "events.jsonl"
+PLANS = "plans.json"
+CONFIG = "config.json"
+
+
+class TraceWriter:
+    """Writes the trace of a pipeline run into a directory, on rank 0 of the pipeline.
+
+    ``AsyncPipe(..., trace="runs/exp1")`` builds one; build it yourself for more control, or
+    subclass it and extend :meth:`write`. The directory gets:
+
+    - TensorBoard event files (``tensorboard --logdir runs``): per step ``train/loss``,
+      ``train/step_seconds``, ``train/samples_per_second``, ``pipeline/bubble_fraction``,
+      ``idle_fraction/rank<r>`` and ``peak_memory_mib/rank<r>``; every ``every`` steps a
+      ``timeline`` image (the measured step above the simulated ideal of the same plan) with
+      ``pipeline/ideal_bubble_fraction`` and ``pipeline/ideal_step_seconds``; the configuration
+      as text (``config``); inference steps (``pipe(x)`` under ``no_grad`` or ``eval()``) only
+      get ``eval/step_seconds``, ``eval/samples_per_second`` and ``eval/bubble_fraction``;
+    - ``events.jsonl`` (one line per step, every rank's events on rank 0's clock),
+      ``plans.json`` and ``config.json``, which ``python -m asyncpipe.trace DIR`` reads;
+    - at :meth:`close`: ``trace.json`` (Chrome trace / Perfetto), ``timeline.png`` and
+      ``timeline.html`` (see :func:`~asyncpipe.trace.render`).
+
+    Args:
+        directory: where to write (created if missing).
+        every: steps between timeline images (the first step gets one).
+        images: draw timeline images (they need Pillow, ``pip install asyncpipe[trace]``;
+            without it the trace is written without them, with a warning).
+        tensorboard: write TensorBoard event files.
+
+    Example:
+        >>> from asyncpipe.trace import TraceWriter
+        >>> writer = TraceWriter("runs/exp1", every=100)                  # doctest: +SKIP
+        >>> pipe = asyncpipe.AsyncPipe(model, [2, 2], chunks=8, trace=writer)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        every: int = 50,
+        *,
+        images: bool = True,
+        tensorboard: bool = True,
+    ) -> None:
+        if not (isinstance(every, int) and every > 0):
+            raise ValueError(f"every must be a positive number of steps (got {every!r})")
+        self.directory = Path(directory)
+        self.every, self.images, self.tensorboard = every, images, tensorboard
+        self.plans: dict[str, Plan] = {}
+        self._events: IO[str] | None = None
+        self._board: Any = None
+
+    def open(self, config: Mapping[str, object]) -> None:
+        """Start a run: create the directory, write the configuration."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        if self.images and importlib.util.find_spec("PIL") is None:
+            warnings.warn(
+                "timeline images need Pillow, which is not installed; the trace is written "
+                "without them (pip install pillow to get them)",
+                stacklevel=2,
+            )
+            self.images = False
+        (self.directory / CONFIG).write_text(json.dumps(dict(config), indent=1, default=str))
+        self._events = (self.directory / EVENTS).open("w")
+        if self.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._board = SummaryWriter(str(self.directory), flush_secs=10)
+            table = "\n".join(f"| {key} | {value} |" for key, value in config.items())
+            self._board.add_text("config", "| setting | value |\n|---|---|\n" + table, 0)
+
+    def add_plan(self, key: str, plan: Plan) -> None:
+        """Keep a lowered plan the steps refer to by ``key``."""
+        self.plans[key] = plan
+        text = {k: format_plan(p) for k, p in self.plans.items()}
+        (self.directory / PLANS).write_text(json.dumps(text, indent=1))
+
+    def write(self, step: StepTrace) -> None:
+        """Record one step (called on rank 0, one step behind the pipeline)."""
+        if self._events is not None:
+            self._events.write(step.to_json() + "\n")
+            self._events.flush()
+        board = self._board
+        if board is None:
+            return
+        n = step.step
+        seconds = step.makespan
+        if step.plan.endswith("/eval"):  # inference between training steps: kept apart
+            board.add_scalar("eval/step_seconds", seconds, n)
+            if step.samples and seconds > 0:
+                board.add_scalar("eval/samples_per_second", step.samples / seconds, n)
+            board.add_scalar("eval/bubble_fraction", step.bubble, n)
+            return
+        if step.loss is not None:
+            board.add_scalar("train/loss", step.loss, n)
+        board.add_scalar("train/step_seconds", seconds, n)
+        if step.samples and seconds > 0:
+            board.add_scalar("train/samples_per_second", step.samples / seconds, n)
+        board.add_scalar("pipeline/bubble_fraction", step.bubble, n)
+        for rank, part in sorted(step.ranks.items()):
+            board.add_scalar(f"idle_fraction/rank{rank}", step.idle(rank), n)
+            board.add_scalar(f"peak_memory_mib/rank{rank}", part.peak_memory / 2**20, n)
+        if n % self.every == 0 and step.plan in self.plans:
+            ideal = step.ideal(self.plans[step.plan])
+            board.add_scalar("pipeline/ideal_bubble_fraction", ideal.total_bubble, n)
+            board.add_scalar("pipeline/ideal_step_seconds", ideal.makespan, n)
+            if self.images:
+                from tensorboard.compat.proto.summary_pb2 import (  # type: ignore[import-untyped, unused-ignore]
+                    Summary,
+                )
+
+                from .picture import png_bytes
+
+                data, width, height = png_bytes(step, self.plans[step.plan])
+                image = Summary.Image(
+                    height=height, width=width, colorspace=3, encoded_image_string=data
+                )
+                summary = Summary(value=[Summary.Value(tag="timeline", image=image)])
+                # the PNG as drawn: SummaryWriter.add_image would decode and encode it again
+                board._get_file_writer().add_summary(summary, n)
+
+    def close(self) -> None:
+        """Flush and close the files, then render the run (trace.json, timeline.png/html)."""
+        if self._events is not None:
+            self._events.close()
+            self._events = None
+        if self._board is not None:
+            self._board.close()
+            self._board = None
+        from .render import render
+
+        render(self.directory, quiet=True, images=self.images)
+
+
+def load_plans(directory: str | os.PathLike[str]) -> dict[str, Plan]:
+    """The plans of a recorded run, by key."""
+    path = Path(directory) / PLANS
+    if not path.exists():
+        return {}
+    return {key: parse_plan(text) for key, text in json.loads(path.read_text()).items()}
+
+
+def load_steps(directory: str | os.PathLike[str]) -> list[StepTrace]:
+    """The steps of a recorded run, in order."""
+    path = Path(directory) / EVENTS
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{path} does not exist: pass the directory given to AsyncPipe(trace=...), after "
+            f"the run wrote at least one step"
+        )
+    with path.open() as lines:
+        return [StepTrace.from_json(line) for line in lines if line.strip()]

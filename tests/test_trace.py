@@ -1,0 +1,368 @@
+"""Tracing: TensorBoard output read back with TensorBoard's reader, Chrome trace, CLI, HTML."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from models import mlp, reference
+from threads import run_threads, values
+from torch import nn
+from trace_workers import traced_run
+
+from asyncpipe import AsyncPipe
+from asyncpipe.schedule import build, lower
+from asyncpipe.trace import (
+    RankStep,
+    StepTrace,
+    TraceWriter,
+    chrome_trace,
+    load_plans,
+    load_steps,
+    render,
+    summarize,
+)
+from asyncpipe.trace.clock import clock_offset
+from asyncpipe.transport import Transport
+
+mse = nn.functional.mse_loss
+REPO = Path(__file__).resolve().parent.parent
+CHROMIUM = Path("/usr/bin/chromium")
+
+
+def _actions(plan_row: list[object]) -> list[str]:
+    return [str(a) for a in plan_row if a is not None]
+
+
+# ----- a real multi-process run ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gloo_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Three processes over gloo, 4 steps of a sleep workload, timelines every 2 steps."""
+    from spawn import run_ranks
+
+    directory = tmp_path_factory.mktemp("trace") / "run"
+    losses = run_ranks(traced_run, 3, str(directory), 4, 2, 4, timeout=240)
+    assert all(len(v) == 4 for v in losses) and losses[0] == losses[1] == losses[2]
+    return directory
+
+
+@pytest.mark.slow
+def test_tensorboard_reads_the_scalars_images_and_config(gloo_run: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(gloo_run), size_guidance={"images": 0, "scalars": 0})
+    board.Reload()
+    tags = board.Tags()
+    per_step = ["train/loss", "train/step_seconds", "train/samples_per_second"]
+    per_step += ["pipeline/bubble_fraction"]
+    per_step += [
+        f"{name}/rank{r}" for name in ("idle_fraction", "peak_memory_mib") for r in range(3)
+    ]
+    for tag in per_step:
+        assert tag in tags["scalars"], tag
+        assert [e.step for e in board.Scalars(tag)] == [0, 1, 2, 3], tag
+    assert [e.step for e in board.Scalars("pipeline/ideal_bubble_fraction")] == [0, 2]
+    assert [e.step for e in board.Images("timeline")] == [0, 2]
+    image = board.Images("timeline")[0]
+    assert image.width > 400 and image.height > 200
+    assert image.encoded_image_string.startswith(b"\x89PNG")
+    assert "config/text_summary" in tags["tensors"]
+    config = board.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
+    for setting in ("balance", "chunks", "schedule", "transport", "checkpoint", "gpipe"):
+        assert setting in config
+    # samples per second: 8 rows per step over the step time
+    seconds = {e.step: e.value for e in board.Scalars("train/step_seconds")}
+    for e in board.Scalars("train/samples_per_second"):
+        assert e.value == pytest.approx(8 / seconds[e.step], rel=1e-4)
+    for e in board.Scalars("peak_memory_mib/rank1"):
+        assert e.value > 10  # a Python process with torch has a resident set of some size
+
+
+@pytest.mark.slow
+def test_bubble_is_a_fraction_near_the_simulated_one(gloo_run: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(gloo_run))
+    board.Reload()
+    measured = {e.step: e.value for e in board.Scalars("pipeline/bubble_fraction")}
+    ideal = {e.step: e.value for e in board.Scalars("pipeline/ideal_bubble_fraction")}
+    assert all(0 < v < 1 for v in measured.values())
+    # GPipe over 3 stages and 4 micro-batches with B = 2F: (S - 1) / (M + S - 1) = 1/3 idle,
+    # give or take how evenly the stages' measured compute times came out.
+    assert 0.25 < ideal[0] < 0.45 and 0.25 < ideal[2] < 0.45, ideal
+    steps = load_steps(gloo_run)
+    plans = load_plans(gloo_run)
+    for s in steps:  # the TensorBoard values are those of the recorded steps
+        assert measured[s.step] == pytest.approx(s.bubble, abs=1e-6)
+    assert ideal[2] == pytest.approx(steps[2].ideal(plans[steps[2].plan]).total_bubble, abs=1e-6)
+    # the closest of the warm steps to its own ideal: a busy machine may delay any single step
+    gaps = [abs(s.bubble - s.ideal(plans[s.plan]).total_bubble) for s in steps[1:]]
+    assert min(gaps) < 0.1, (measured, ideal, gaps)
+    for rank in range(3):
+        idle = board.Scalars(f"idle_fraction/rank{rank}")
+        assert all(0 < e.value < 1 for e in idle)
+
+
+@pytest.mark.slow
+def test_chrome_trace_has_one_track_per_rank_and_every_action_once(gloo_run: Path) -> None:
+    trace = json.loads((gloo_run / "trace.json").read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    names = {
+        e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"
+    }
+    assert names == {0: "rank 0", 1: "rank 1", 2: "rank 2"}
+    plan = lower(build("gpipe", 3, 4))
+    for step in range(4):
+        for rank in range(3):
+            seen = Counter(
+                e["name"]
+                for e in spans
+                if e["pid"] == rank
+                and e["args"]["step"] == step
+                and e["cat"] in ("compute", "comm")
+            )
+            assert seen == Counter(_actions(plan[rank])), (step, rank)
+    users = [e for e in spans if e["name"] == "optimizer"]
+    assert {e["pid"] for e in users} == {0, 1, 2}
+    # clocks aligned: each receive of an activation ends after its send began on the other rank
+    by = {(e["pid"], e["name"], e["args"]["step"]): e for e in spans}
+    for step in range(4):
+        for mb in range(4):
+            send = by[(0, f"0SEND_F{mb}->1", step)]
+            recv = by[(1, f"1RECV_F{mb}->0", step)]
+            assert recv["ts"] + recv["dur"] >= send["ts"] - 200  # 0.2 ms of clock error
+
+
+@pytest.mark.slow
+def test_cli_renders_png_and_html(gloo_run: Path, tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "asyncpipe.trace", str(gloo_run), "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("3 steps, mean step")
+    assert [line.split()[0] for line in lines[2:5]] == ["0", "1", "2"]
+    png = (tmp_path / "timeline.png").read_bytes()
+    assert png.startswith(b"\x89PNG")
+    html = (tmp_path / "timeline.html").read_text()
+    assert html.count("<svg") == 2 and html.count('class="idle"') == 6
+    assert "<script src" not in html and "http" not in html.replace("http://www.w3.org", "")
+    json.loads((tmp_path / "trace.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Chromium (apt-get install chromium)")
+def test_html_loads_in_headless_chromium(gloo_run: Path, tmp_path: Path) -> None:
+    from benchmarks.check_trace_html import check
+
+    render(gloo_run, out=tmp_path, images=False, quiet=True)
+    assert check(tmp_path / "timeline.html", 3, str(CHROMIUM)) == []
+
+
+def test_check_script_is_documented() -> None:
+    script = REPO / "benchmarks" / "check_trace_html.py"
+    assert script.exists() and "chromium" in script.read_text()
+
+
+# ----- in one process -------------------------------------------------------------------
+
+
+def test_tracing_keeps_the_results_and_records_every_action(tmp_path: Path) -> None:
+    model = mlp(4)
+    torch.manual_seed(1)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    want, grads = reference(model, x, y, 4, mse)
+
+    def fn(rank: int, transport: Transport) -> tuple[float, list[torch.Tensor]]:
+        pipe = AsyncPipe(
+            model, [2, 2], chunks=4, transport=transport, timeout=20, trace=tmp_path,
+            schedule="1f1b",
+        )  # fmt: skip
+        loss = pipe.step(x, y, mse)
+        got = [p.grad.clone() for p in pipe.parameters() if p.grad is not None]
+        out = pipe(x)  # the fairscale-style forward and backward make one more step
+        if pipe.is_last_stage:
+            mse(out, y).backward()
+        else:
+            pipe.back_helper(out)
+        pipe.close()
+        return loss, got
+
+    results = values(run_threads(fn, 2))
+    for loss, _ in results:
+        assert loss == pytest.approx(want, rel=1e-6)
+    got = results[0][1] + results[1][1]
+    for a, b in zip(got, grads):
+        torch.testing.assert_close(a, b)
+    steps = load_steps(tmp_path)
+    assert [s.step for s in steps] == [0, 1]
+    assert steps[0].loss == pytest.approx(want, rel=1e-6) and steps[1].loss is None
+    plan = load_plans(tmp_path)[steps[0].plan]
+    assert plan == lower(build("1f1b", 2, 4))
+    for s in steps:
+        for rank, part in s.ranks.items():
+            actions = [n for n, _, _ in part.events if n[0].isdigit()]
+            assert sorted(actions) == sorted(_actions(plan[rank]))
+            assert all(0 <= a <= b <= s.makespan + 1e-9 for _, a, b in part.events)
+
+
+def test_profiler_ranges_are_named_by_the_action(tmp_path: Path) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    model = mlp(2)
+
+    def fn(rank: int, transport: Transport) -> set[str]:
+        pipe = AsyncPipe(model, [2], chunks=2, transport=transport, trace=tmp_path)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            pipe.step(torch.randn(4, 8), torch.randn(4, 8), mse)
+            with pipe.trace_span("optimizer"):
+                pass
+        pipe.close()
+        return {e.key for e in prof.key_averages()}
+
+    names = values(run_threads(fn, 1))[0]
+    assert {"0F0", "0F1", "0B0", "0B1", "optimizer"} <= names
+    recorded = {n for n, _, _ in load_steps(tmp_path)[0].ranks[0].events}
+    assert {"0F0", "0F1", "0B0", "0B1"} <= recorded
+
+
+def test_clock_offset_of_threads_is_zero() -> None:
+    def fn(rank: int, transport: Transport) -> float:
+        return clock_offset(transport, 10.0, torch.device("cpu"))
+
+    offsets = values(run_threads(fn, 3))
+    assert offsets[0] == 0.0 and all(abs(v) < 0.01 for v in offsets)
+
+
+def test_bad_trace_arguments_are_refused() -> None:
+    model = mlp(2)
+
+    def fn(rank: int, transport: Transport) -> str:
+        with pytest.raises(ValueError) as info:
+            AsyncPipe(model, [1, 1], transport=transport, trace=5, trace_every=0)  # type: ignore[arg-type]
+        return str(info.value)
+
+    text = values(run_threads(fn, 2))[0]
+    assert "trace must be a directory or a TraceWriter (got int)" in text
+    assert "trace_every must be a positive number of steps (got 0)" in text
+    with pytest.raises(ValueError, match="every must be a positive"):
+        TraceWriter("x", every=-1)
+
+
+def _step() -> StepTrace:
+    ranks = {
+        0: RankStep(0.0, 4.0, (("0F0", 0.0, 1.0), ("0SEND_F0->1", 1.0, 1.1), ("0B0", 3.0, 4.0))),
+        1: RankStep(0.5, 3.5, (("wait", 0.5, 1.1), ("1F0", 1.1, 2.0), ("1B0", 2.0, 3.0))),
+    }
+    return StepTrace(7, 100.0, 0.5, 8, ranks)
+
+
+def test_summary_and_bubble_of_a_literal_step() -> None:
+    step = _step()
+    assert step.makespan == 4.0
+    assert step.bubble == pytest.approx(1 - 3.9 / 8)
+    assert step.idle(0) == pytest.approx(0.5) and step.idle(1) == pytest.approx(1 - 1.9 / 4)
+    summary = summarize([step])
+    assert [s.rank for s in summary] == [0, 1]
+    assert summary[0].communication == pytest.approx(0.1 / 4)
+    assert summary[1].communication == pytest.approx(0.6 / 4)
+    assert StepTrace.from_json(step.to_json()) == step
+
+
+def test_chrome_trace_of_a_literal_step() -> None:
+    trace = chrome_trace([_step()])
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    first = next(e for e in spans if e["name"] == "1F0")
+    assert first["pid"] == 1 and first["ts"] == pytest.approx(101.1e6)
+    assert first["dur"] == pytest.approx(0.9e6) and first["cat"] == "compute"
+    assert {e["cat"] for e in spans} == {"compute", "comm", "wait"}
+
+
+def test_cli_reports_a_missing_run(tmp_path: Path) -> None:
+    from asyncpipe.trace.__main__ import main
+
+    assert main([str(tmp_path / "nothing")]) == 2
+
+
+def test_render_picks_a_step(tmp_path: Path) -> None:
+    writer = TraceWriter(tmp_path, tensorboard=False)
+    writer.open({"chunks": 1})
+    plan = lower(build("gpipe", 2, 1))
+    writer.add_plan("1/train", plan)
+    step = _step()
+    for n in (0, 1):
+        writer.write(StepTrace(n, 100.0, 0.5, 8, step.ranks, "1/train"))
+    writer.close()
+    rendered = render(tmp_path, step=0, quiet=True, images=False)
+    assert rendered.step.step == 0 and set(rendered.files) == {"trace", "html"}
+    with pytest.raises(ValueError, match="step 5 is not in"):
+        render(tmp_path, step=5, quiet=True)
+
+
+def test_without_pillow_the_trace_goes_on_without_images(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "PIL" else real(name, *a)
+    )
+    writer = TraceWriter(tmp_path)
+    with pytest.warns(UserWarning, match="timeline images need Pillow"):
+        writer.open({"chunks": 1})
+    assert writer.images is False
+    writer.add_plan("1/train", lower(build("gpipe", 2, 1)))
+    writer.write(StepTrace(0, 100.0, 0.5, 8, _step().ranks, "1/train"))
+    writer.close()
+    assert load_steps(tmp_path)[0].loss == 0.5
+    assert not (tmp_path / "timeline.png").exists() and (tmp_path / "timeline.html").exists()
+
+
+def test_optimizer_steps_are_traced_through_its_hooks(tmp_path: Path) -> None:
+    model = mlp(2)
+
+    def fn(rank: int, transport: Transport) -> None:
+        pipe = AsyncPipe(model, [1, 1], chunks=2, transport=transport, trace=tmp_path)
+        optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        pipe.trace_optimizer(optimizer, "sgd")
+        for _ in range(3):
+            pipe.step(torch.randn(4, 8), torch.randn(4, 8), mse)
+            optimizer.step()
+        pipe.close()
+
+    values(run_threads(fn, 2))
+    steps = load_steps(tmp_path)
+    spans = [(s.step, rank, name) for s in steps for rank, name, _, _ in s.extra]
+    # each optimizer step lands in the payload of the step after it (the last one in none)
+    assert sorted(spans) == [(1, 0, "sgd"), (1, 1, "sgd"), (2, 0, "sgd"), (2, 1, "sgd")]
+    for s in steps:
+        for _, _, start, end in s.extra:
+            assert start < end < s.makespan  # after the last step, around the next one's start
+
+
+def test_a_run_without_close_is_written_at_exit(tmp_path: Path) -> None:
+    script = f"""
+import torch
+from asyncpipe import AsyncPipe
+from asyncpipe.transport import InProcessHub
+model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+transport = InProcessHub(1).transport(0)
+pipe = AsyncPipe(model, [2], chunks=2, transport=transport, trace={str(tmp_path)!r})
+for _ in range(3):
+    pipe.step(torch.randn(4, 4), torch.randn(4, 4), torch.nn.functional.mse_loss)
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert [s.step for s in load_steps(tmp_path)] == [0, 1]  # the last one was on its way
+    assert (tmp_path / "trace.json").exists() and (tmp_path / "timeline.html").exists()

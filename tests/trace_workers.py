@@ -1,0 +1,57 @@
+"""Worker functions for the multi-process trace tests (run in spawned processes)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from asyncpipe import AsyncPipe
+
+FORWARD_SECONDS = 0.01
+
+
+class _Sleep(torch.autograd.Function):
+    """Sleeps F in forward and 2F in backward: a workload whose timing the simulator knows."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        time.sleep(FORWARD_SECONDS)
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        time.sleep(2 * FORWARD_SECONDS)
+        return grad
+
+
+class Sleep(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _Sleep.apply(x * self.scale)  # type: ignore[no-untyped-call]
+
+
+def traced_run(rank: int, world: int, directory: str, steps: int, every: int, chunks: int) -> Any:
+    """``steps`` steps of a sleep workload (one layer per rank, GPipe) traced into
+    ``directory``, an optimizer step in a trace span; returns the losses."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Sleep() for _ in range(world)])
+    pipe = AsyncPipe(
+        model, [1] * world, chunks=chunks, checkpoint="never", timeout=60,
+        trace=directory, trace_every=every,
+    )  # fmt: skip
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.01)
+    x, y = torch.randn(2 * chunks, 4), torch.randn(2 * chunks, 4)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        losses.append(pipe.step(x, y, nn.functional.mse_loss))
+        with pipe.trace_span("optimizer"):
+            optimizer.step()
+    pipe.close()
+    return losses
