@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
+import torch.distributed as dist
 from torch import nn
 
 from .lazy import LazyModule
 from .partition import Layer
+from .precision import DTYPES
 from .recompute import POLICIES
 from .schedule import NAMES, Plan, PlanError, build, gpipe, stage_owners, validate
+from .trace import TraceWriter
+from .transport import Transport
 
 __all__: list[str] = []
 
@@ -179,3 +184,81 @@ def plan_factory(
     _one_block_per_rank(str(schedule), owners, ranks)
     name = str(schedule)
     return lambda m: build(name, ranks, m)
+
+
+def rpc_running() -> bool:
+    """Whether ``torch.distributed.rpc`` is set up in this process."""
+    from torch.distributed import rpc
+
+    try:
+        rpc.get_worker_info()
+    except RuntimeError:
+        return False
+    return True
+
+
+def check_options(
+    *,
+    transport: object,
+    stages: int,
+    timeout: object,
+    autocast: object,
+    loss_scale: object,
+    data_parallel_size: object,
+    shared_weights: bool,
+    trace: object,
+    trace_every: object,
+) -> None:
+    """Every problem with AsyncPipe's keyword options at once, as one ValueError."""
+    problems = []
+    if autocast is not None and autocast not in DTYPES:
+        problems.append(
+            f"autocast must be None, torch.bfloat16 or torch.float16 (got {autocast!r})"
+        )
+    if not (isinstance(data_parallel_size, int) and data_parallel_size >= 1):
+        problems.append(
+            f"data_parallel_size must be a positive integer (got {data_parallel_size!r})"
+        )
+    elif data_parallel_size > 1 and shared_weights:
+        problems.append(
+            "shared_weights with data_parallel_size > 1 is not supported yet; tie the "
+            "weights on one stage, or run one pipeline"
+        )
+    elif data_parallel_size > 1 and not isinstance(transport, str):
+        problems.append(
+            "data_parallel_size > 1 builds its own process groups; pass transport='p2p' or "
+            "'rpc', not a Transport object"
+        )
+    if not (isinstance(loss_scale, (int, float)) and loss_scale > 0):
+        problems.append(f"loss_scale must be a positive number (got {loss_scale!r})")
+    if not (isinstance(timeout, (int, float)) and timeout > 0):
+        problems.append(f"timeout must be a positive number of seconds (got {timeout!r})")
+    if not (trace is None or isinstance(trace, (str, os.PathLike, TraceWriter))):
+        problems.append(
+            f"trace must be a directory or a TraceWriter (got {type(trace).__name__}); pass "
+            f"e.g. trace='runs/exp1'"
+        )
+    if not (isinstance(trace_every, int) and trace_every > 0):
+        problems.append(f"trace_every must be a positive number of steps (got {trace_every!r})")
+    if isinstance(transport, str):
+        if transport not in ("p2p", "rpc"):
+            problems.append(
+                f"transport must be 'p2p', 'rpc' or a Transport object (got {transport!r})"
+            )
+        elif not dist.is_initialized():
+            problems.append(
+                f"the {transport} transport needs torch.distributed: call asyncpipe.init("
+                f"{'rpc=True' if transport == 'rpc' else ''}) first and launch with "
+                f"torchrun, e.g. torchrun --standalone --nproc-per-node={stages} "
+                f"train.py"
+            )
+        elif transport == "rpc" and not rpc_running():
+            problems.append(
+                "the rpc transport needs torch.distributed.rpc: call asyncpipe.init(rpc=True) first"
+            )
+    elif not isinstance(transport, Transport):
+        problems.append(
+            f"transport must be 'p2p', 'rpc' or a Transport object (got {type(transport).__name__})"
+        )
+    if problems:
+        raise ValueError("; ".join(problems))

@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from .transport import P2PTransport, RPCTransport, Transport
+
 __all__: list[str] = []
 
 BUCKET_BYTES = 25 * 2**20
@@ -118,3 +120,37 @@ class GradientAverager:
         tensor = torch.tensor([value], dtype=torch.float64, device=self.device)
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
         return float(tensor.item())
+
+
+def connect(
+    transport: str | Transport, ranks: int, data_parallel_size: int, device: torch.device
+) -> tuple[Transport, int, dist.ProcessGroup | None]:
+    """The transport of this rank's pipeline, its replica, and its data-parallel group (None
+    with one replica). ``transport`` is a name or a ready Transport (one replica only)."""
+    data_parallel_rank = 0
+    pipeline_group = data_parallel_group = None
+    if data_parallel_size > 1:
+        world = dist.get_world_size()
+        if world != data_parallel_size * ranks:
+            raise ValueError(
+                f"the world must hold data_parallel_size x pipeline ranks processes (world: "
+                f"{world}, data_parallel_size: {data_parallel_size}, pipeline ranks: "
+                f"{ranks}); launch {data_parallel_size * ranks} processes or change "
+                f"data_parallel_size"
+            )
+        layout = Layout(ranks, data_parallel_size)
+        me = dist.get_rank()
+        pipeline_group, data_parallel_group = groups(layout, me)
+        data_parallel_rank = layout.replica(me)
+    if transport == "rpc":
+        if pipeline_group is None:
+            return RPCTransport(), 0, None
+        names = Layout(ranks, data_parallel_size).pipeline_ranks(data_parallel_rank)
+        rpc = RPCTransport(
+            {s: f"worker{r}" for s, r in enumerate(names)},
+            name=f"pipe-replica{data_parallel_rank}",
+        )
+        return rpc, data_parallel_rank, data_parallel_group
+    if isinstance(transport, str):
+        transport = P2PTransport(group=pipeline_group, device=device)
+    return transport, data_parallel_rank, data_parallel_group

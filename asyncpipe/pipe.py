@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -13,25 +12,24 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .arguments import check_arguments, plan_factory
+from .arguments import check_arguments, check_options, plan_factory
 from .balance.auto import auto_balance
 from .batchnorm import DeferredBatchNorm, commit_all
 from .failure import MismatchedBatch, StageFailure, StepReport
 from .lazy import LazyModule
 from .microbatch import Tensors, as_tensors, gather, scatter
 from .names import layer_names, rename_loaded, rename_missing, rename_saved
-from .parallel import GradientAverager, Layout, groups
+from .parallel import GradientAverager, connect
 from .partition import Partition, Segment, partition
-from .precision import DTYPES, LossScaler, all_finite, drop_, unscale_
-from .runtime import LossFn, Runtime, Work, unwrap
+from .precision import LossScaler, clip_norm
+from .runtime import Runtime
 from .schedule import Action, Kind, Plan
 from .shared import SharedWeights
-from .skip.layer import Skippable
-from .skip.routes import SkipRoutes, skip_routes
-from .skip.verify import probe, verify_skippables
+from .skip.routes import find_routes
 from .trace import TraceWriter
 from .trace.recorder import Recorder
-from .transport import P2PTransport, RPCTransport, Transport
+from .transport import P2PTransport, Transport
+from .work import LossFn, Work, unwrap
 
 __all__: list[str] = []
 
@@ -72,38 +70,6 @@ class _GatherOutputs(torch.autograd.Function):
         ]
         pipe._backward_phase(per_mb)
         return (None, None, None) + (None,) * len(grads)
-
-
-def _rpc_running() -> bool:
-    from torch.distributed import rpc
-
-    try:
-        rpc.get_worker_info()
-    except RuntimeError:
-        return False
-    return True
-
-
-def _skip_routes(layers: Sequence[nn.Module | LazyModule], segments: list[Segment]) -> SkipRoutes:
-    """Check the model's skip connections and find which cross between segments."""
-    views = [probe(layer, n) for n, layer in enumerate(layers)]
-    if not any(isinstance(v, Skippable) for v in views):
-        return SkipRoutes()
-    positions: dict[int, list[int]] = {}
-    for n, layer in enumerate(layers):
-        positions.setdefault(id(layer), []).append(n)
-    reused = [p for p in positions.values() if len(p) > 1 and isinstance(views[p[0]], Skippable)]
-    if reused:
-        raise ValueError(
-            f"a skippable layer may appear at one position only (positions {reused} reuse one); "
-            f"use separate instances, each with its own Namespace via .isolate(Namespace())"
-        )
-    verify_skippables(views)
-    segment_of = [0] * len(layers)
-    for segment in segments:
-        for invocation in segment.invocations:
-            segment_of[invocation.order] = segment.index
-    return skip_routes(views, segment_of)
 
 
 class AsyncPipe(nn.Module):
@@ -193,93 +159,27 @@ class AsyncPipe(nn.Module):
         if isinstance(balance, str):
             balance = auto_balance(balance, module, sample, transport, virtual_stages)
         layers = check_arguments(module, balance, chunks, checkpoint, schedule, virtual_stages)
-        problems = []
-        if autocast is not None and autocast not in DTYPES:
-            problems.append(
-                f"autocast must be None, torch.bfloat16 or torch.float16 (got {autocast!r})"
-            )
-        if not (isinstance(data_parallel_size, int) and data_parallel_size >= 1):
-            problems.append(
-                f"data_parallel_size must be a positive integer (got {data_parallel_size!r})"
-            )
-        elif data_parallel_size > 1 and shared_weights:
-            problems.append(
-                "shared_weights with data_parallel_size > 1 is not supported yet; tie the "
-                "weights on one stage, or run one pipeline"
-            )
-        elif data_parallel_size > 1 and not isinstance(transport, str):
-            problems.append(
-                "data_parallel_size > 1 builds its own process groups; pass transport='p2p' or "
-                "'rpc', not a Transport object"
-            )
-        if not (isinstance(loss_scale, (int, float)) and loss_scale > 0):
-            problems.append(f"loss_scale must be a positive number (got {loss_scale!r})")
-        if not (isinstance(timeout, (int, float)) and timeout > 0):
-            problems.append(f"timeout must be a positive number of seconds (got {timeout!r})")
-        if not (trace is None or isinstance(trace, (str, os.PathLike, TraceWriter))):
-            problems.append(
-                f"trace must be a directory or a TraceWriter (got {type(trace).__name__}); pass "
-                f"e.g. trace='runs/exp1'"
-            )
-        if not (isinstance(trace_every, int) and trace_every > 0):
-            problems.append(f"trace_every must be a positive number of steps (got {trace_every!r})")
-        if isinstance(transport, str):
-            if transport not in ("p2p", "rpc"):
-                problems.append(
-                    f"transport must be 'p2p', 'rpc' or a Transport object (got {transport!r})"
-                )
-            elif not dist.is_initialized():
-                problems.append(
-                    f"the {transport} transport needs torch.distributed: call asyncpipe.init("
-                    f"{'rpc=True' if transport == 'rpc' else ''}) first and launch with "
-                    f"torchrun, e.g. torchrun --standalone --nproc-per-node={len(balance)} "
-                    f"train.py"
-                )
-            elif transport == "rpc" and not _rpc_running():
-                problems.append(
-                    "the rpc transport needs torch.distributed.rpc: call "
-                    "asyncpipe.init(rpc=True) first"
-                )
-        elif not isinstance(transport, Transport):
-            problems.append(
-                f"transport must be 'p2p', 'rpc' or a Transport object (got "
-                f"{type(transport).__name__})"
-            )
-        if problems:
-            raise ValueError("; ".join(problems))
+        check_options(
+            transport=transport,
+            stages=len(balance),
+            timeout=timeout,
+            autocast=autocast,
+            loss_scale=loss_scale,
+            data_parallel_size=data_parallel_size,
+            shared_weights=bool(shared_weights),
+            trace=trace,
+            trace_every=trace_every,
+        )
         if device is None:
             use_cuda = dist.is_initialized() and dist.get_backend() == "nccl"
             device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else None
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         ranks = len(balance) // virtual_stages
         self.data_parallel_size = int(data_parallel_size)
-        self.data_parallel_rank = 0
+        transport, self.data_parallel_rank, data_parallel_group = connect(
+            transport, ranks, self.data_parallel_size, self.device
+        )
         self._averager: GradientAverager | None = None
-        pipeline_group = None
-        if self.data_parallel_size > 1:
-            world = dist.get_world_size()
-            if world != self.data_parallel_size * ranks:
-                raise ValueError(
-                    f"the world must hold data_parallel_size x pipeline ranks processes (world: "
-                    f"{world}, data_parallel_size: {self.data_parallel_size}, pipeline ranks: "
-                    f"{ranks}); launch {self.data_parallel_size * ranks} processes or change "
-                    f"data_parallel_size"
-                )
-            layout = Layout(ranks, self.data_parallel_size)
-            me = dist.get_rank()
-            pipeline_group, data_parallel_group = groups(layout, me)
-            self.data_parallel_rank = layout.replica(me)
-        if transport == "rpc":
-            if pipeline_group is None:
-                transport = RPCTransport()
-            else:
-                names = layout.pipeline_ranks(self.data_parallel_rank)
-                transport = RPCTransport(
-                    {s: f"worker{r}" for s, r in enumerate(names)},
-                    name=f"pipe-replica{self.data_parallel_rank}",
-                )
-        elif isinstance(transport, str):
-            transport = P2PTransport(group=pipeline_group, device=self.device)
         if transport.world_size * virtual_stages != len(balance):
             per = "" if virtual_stages == 1 else f" times virtual_stages ({virtual_stages})"
             fix = (
@@ -306,7 +206,7 @@ class AsyncPipe(nn.Module):
         self.num_stages = transport.world_size
         self.virtual_stages = virtual_stages
         partitions, segments = partition(layers, balance, transport.world_size)
-        routes = _skip_routes(layers, segments)
+        routes = find_routes(layers, segments)
         self.partitions: list[Partition] = partitions
         self.segments: list[Segment] = segments
         mine = partitions[self.stage]
@@ -357,7 +257,7 @@ class AsyncPipe(nn.Module):
             routes,
         )
         self.skip_routes = routes
-        if pipeline_group is not None:
+        if data_parallel_group is not None:
             self._averager = GradientAverager(
                 list(self.parameters()), data_parallel_group, self.data_parallel_size, self.device
             )
@@ -594,24 +494,13 @@ class AsyncPipe(nn.Module):
             self._averager.finish()
         self._shared.reduce(before)
         if self.scaler is not None:
-            self._settle_scale()
+            others = self._averager.reduce_max if self._averager is not None else None
+            self.overflow = self.scaler.settle(
+                list(self.parameters()), self._runtime.exchange, others
+            )
         loss = work.loss_sum / work.microbatches
         self._traced(work, loss)
         return loss
-
-    def _settle_scale(self) -> None:
-        """float16: drop the step's gradients everywhere if any stage overflowed, else unscale."""
-        assert self.scaler is not None
-        params = list(self.parameters())
-        table = self._runtime.exchange([0.0 if all_finite(params) else 1.0])
-        self.overflow = any(row[0] for row in table)
-        if self._averager is not None:  # replicas agree (their averaged gradients do anyway)
-            self.overflow = self._averager.reduce_max(float(self.overflow)) > 0
-        if self.overflow:
-            drop_(params)
-        else:
-            unscale_(params, self.scaler.scale)
-        self.scaler.update(self.overflow)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip the gradients of the whole pipeline by their norm over every stage.
@@ -628,24 +517,8 @@ class AsyncPipe(nn.Module):
             >>> norm = pipe.clip_grad_norm_(1.0)               # doctest: +SKIP
             >>> optimizer.step()                               # doctest: +SKIP
         """
-        if not (isinstance(max_norm, (int, float)) and max_norm > 0):
-            raise ValueError(f"max_norm must be a positive number (got {max_norm!r})")
-        norm_type = float(norm_type)
         grads = [p.grad.detach() for p in self.parameters() if p.grad is not None]
-        inf = norm_type == math.inf
-        if not grads:
-            local = 0.0
-        elif inf:
-            local = float(max(g.abs().max() for g in grads))
-        else:
-            local = float(sum(g.double().norm(norm_type) ** norm_type for g in grads))
-        table = self._runtime.exchange([local])
-        values = [row[0] for row in table]
-        total = max(values) if inf else sum(values) ** (1.0 / norm_type)
-        coefficient = min(max_norm / (total + 1e-6), 1.0)
-        for g in grads:
-            g.mul_(coefficient)
-        return torch.tensor(total)
+        return clip_norm(grads, self._runtime.exchange, max_norm, norm_type)
 
     def forward(self, input: object = None) -> Any:
         """Run the forward of one mini-batch through the pipeline (fairscale's style).

@@ -12,11 +12,12 @@ exchange one flag. An overflow anywhere skips the step everywhere::
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 __all__: list[str] = []
 
@@ -33,6 +34,26 @@ class LossScaler:
     backoff: float = 0.5
     growth_interval: int = 2000
     clean_steps: int = 0
+
+    def settle(
+        self,
+        parameters: list[nn.Parameter],
+        exchange: Callable[[Sequence[float]], list[list[float]]],
+        replicas: Callable[[float], float] | None = None,
+    ) -> bool:
+        """After a step: agree with every rank (``exchange``) and replica (``replicas``, the
+        largest value over them) whether any gradient overflowed; drop this rank's gradients if
+        so, else unscale them; update the scale. Returns whether the step overflowed."""
+        table = exchange([0.0 if all_finite(parameters) else 1.0])
+        overflow = any(row[0] for row in table)
+        if replicas is not None:  # replicas agree (their averaged gradients do anyway)
+            overflow = replicas(float(overflow)) > 0
+        if overflow:
+            drop_(parameters)
+        else:
+            unscale_(parameters, self.scale)
+        self.update(overflow)
+        return overflow
 
     def update(self, overflow: bool) -> None:
         if overflow:
@@ -62,3 +83,30 @@ def drop_(parameters: Iterable[nn.Parameter]) -> None:
     """Forget every gradient, so the optimizer skips this step."""
     for p in parameters:
         p.grad = None
+
+
+def clip_norm(
+    grads: list[Tensor],
+    exchange: Callable[[Sequence[float]], list[list[float]]],
+    max_norm: float,
+    norm_type: float,
+) -> Tensor:
+    """Clip ``grads`` (this rank's) by the norm over every rank, found with one ``exchange``
+    of each rank's partial sum; returns that norm."""
+    if not (isinstance(max_norm, (int, float)) and max_norm > 0):
+        raise ValueError(f"max_norm must be a positive number (got {max_norm!r})")
+    norm_type = float(norm_type)
+    inf = norm_type == math.inf
+    if not grads:
+        local = 0.0
+    elif inf:
+        local = float(max(g.abs().max() for g in grads))
+    else:
+        local = float(sum(g.double().norm(norm_type) ** norm_type for g in grads))
+    table = exchange([local])
+    values = [row[0] for row in table]
+    total = max(values) if inf else sum(values) ** (1.0 / norm_type)
+    coefficient = min(max_norm / (total + 1e-6), 1.0)
+    for g in grads:
+        g.mul_(coefficient)
+    return torch.tensor(total)

@@ -16,91 +16,27 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
-from torch import Tensor
 from torch.autograd.profiler import record_function
 
-from .batchnorm import paused
-from .failure import Failed, MismatchedBatch, StageFailure, StepReport, loss_hint
-from .microbatch import Tensors, as_tensors
-from .recompute import RNGState, checkpointed
+from .compute import Compute
+from .failure import Failed, MismatchedBatch, StageFailure, StepReport
+from .microbatch import Tensors
 from .schedule import Action, Kind, Plan, forward_only, lower, validate
 from .schedule.messages import misordered_pair, settle_points
-from .skip.namespace import SkipKey
 from .skip.routes import SkipRoutes
-from .skip.tracker import SkipTracker, use
-from .split import LayerRun, input_backward, run_cut, weight_backward
 from .transport import Message, PendingRecv, Transport, TransportTimeout
+from .work import Grads, Work
 
 __all__: list[str] = []
 
-Grads = tuple[Tensor | None, ...]
-Skips = dict[SkipKey, Tensor | None]
-LossFn = Callable[[object, object], Tensor]
 _KINDS = list(Kind)
 _OK, _FAILED, _RELAYED = 0.0, 1.0, 2.0
 _NEWS_SECONDS = 2.0  # how long a failed rank waits for its failure notices to be taken
 STATUS_CHANNEL = 1 << 20  # every rank tells every other how its step ended
 EXCHANGE_CHANNEL = STATUS_CHANNEL + 1  # small all-to-all exchanges between steps
 _PEER_ERRORS = (TransportTimeout, ConnectionError)  # a receive found its peer silent or gone
-
-
-def unwrap(tensors: Tensors) -> object:
-    """A single tensor as itself, several as a tuple: what the next layer is called with."""
-    return tensors[0] if len(tensors) == 1 else tensors
-
-
-def leaves(tensors: Sequence[Tensor]) -> Tensors:
-    """Detached copies that start a new graph, asking for gradients where the input did."""
-    out = []
-    for t in tensors:
-        leaf = t.detach()
-        if t.requires_grad and t.is_floating_point():
-            leaf.requires_grad_(True)
-        out.append(leaf)
-    return tuple(out)
-
-
-@dataclass
-class Work:
-    """What one step needs: inputs, targets and the state of every micro-batch in flight."""
-
-    microbatches: int
-    train: bool
-    inputs: list[Tensors] | None = None
-    targets: list[Tensors] | None = None
-    loss_fn: LossFn | None = None
-    output_grads: list[Grads] | None = None
-    policy: str = "never"
-    autocast: torch.dtype | None = None
-    loss_scale: float = 1.0
-    feed: dict[tuple[int, int], Tensors] = field(default_factory=dict)
-    saved: dict[tuple[int, int], Tensors] = field(default_factory=dict)
-    outputs: dict[tuple[int, int], Tensors] = field(default_factory=dict)
-    rng: dict[tuple[int, int], RNGState] = field(default_factory=dict)
-    grads: dict[tuple[int, int], Grads] = field(default_factory=dict)
-    losses: dict[int, Tensor] = field(default_factory=dict)
-    pending: dict[Action, PendingRecv] = field(default_factory=dict)
-    unposted: list[Action] = field(default_factory=list)
-    split: frozenset[tuple[int, int]] = frozenset()
-    settle: dict[Action, list[Action]] = field(default_factory=dict)
-    runs: dict[tuple[int, int], list[LayerRun]] = field(default_factory=dict)
-    weights: dict[tuple[int, int], list[tuple[LayerRun, list[Tensor | None]]]] = field(
-        default_factory=dict
-    )
-    # Skips, by (segment, micro-batch): what arrived for it, the leaves its forward popped,
-    # what it stashed for others, the gradients of those, and the gradients it sends back.
-    skip_feed: dict[tuple[int, int], Skips] = field(default_factory=dict)
-    skip_saved: dict[tuple[int, int], Skips] = field(default_factory=dict)
-    skip_out: dict[tuple[int, int], Skips] = field(default_factory=dict)
-    skip_grads: dict[tuple[int, int], Skips] = field(default_factory=dict)
-    skip_back: dict[tuple[int, int], Skips] = field(default_factory=dict)
-    loss_sum: float = 0.0
-    live: int = 0
-    peak: int = 0
 
 
 def _kind_code(action: str) -> int:
@@ -117,7 +53,7 @@ def _rows(pieces: list[Tensors] | None) -> int:
     return sum(piece[0].shape[0] for piece in pieces) if pieces else -1
 
 
-class Runtime:
+class Runtime(Compute):
     """Runs the local segments of one rank.
 
     Args:
@@ -515,100 +451,6 @@ class Runtime:
         for send in work.settle.get(action, ()):
             self.transport.settle(*self.channel(send), send.microbatch, self.timeout)
 
-    def _input(self, work: Work, seg: int, i: int) -> Tensors:
-        if seg == 0:
-            assert work.inputs is not None
-            return work.inputs[i]
-        if (seg, i) in work.feed:
-            return leaves(work.feed.pop((seg, i)))
-        return leaves(work.outputs[(seg - 1, i)])  # previous segment on this rank
-
-    def _skip_input(self, work: Work, seg: int, i: int) -> Skips:
-        """The skips that segment ``seg`` pops from other segments, as fresh leaves."""
-        arrived = work.skip_feed.pop((seg, i), {})
-        return {k: None if t is None else leaves((t,))[0] for k, t in arrived.items()}
-
-    def _compute(
-        self, work: Work, seg: int, i: int, x: Tensors, skips: Skips
-    ) -> tuple[Tensors, Skips]:
-        """Run segment ``seg`` on ``x``; return its outputs and the skips it stashed for other
-        segments."""
-        value: object = unwrap(x)
-        split = (seg, i) in work.split and torch.is_grad_enabled()
-        tracker = SkipTracker(skips, self.routes.crossing(seg), cut=split)
-        precision = (
-            torch.autocast(self.device.type, dtype=work.autocast)
-            if work.autocast is not None
-            else contextlib.nullcontext()
-        )
-        with use(tracker), precision:
-            if split:
-                value, work.runs[(seg, i)] = run_cut(self.segments[seg], value, tracker)
-            else:
-                for layer in self.segments[seg]:
-                    value = layer(value)
-        out = as_tensors(value, f"the output of stage {seg}")
-        if seg == self.last and work.train and work.loss_fn is not None:
-            target = None if work.targets is None else unwrap(work.targets[i])
-            try:
-                loss = work.loss_fn(unwrap(out), target)
-            except Exception as e:
-                hint = loss_hint(out, None if work.targets is None else work.targets[i])
-                if hint is None:
-                    raise
-                raise ValueError(f"loss_fn failed ({type(e).__name__}: {e}); {hint}") from e
-            if not isinstance(loss, Tensor) or loss.numel() != 1:
-                shape = tuple(loss.shape) if isinstance(loss, Tensor) else ""
-                raise TypeError(
-                    f"loss_fn must return a tensor with one element (got "
-                    f"{type(loss).__name__}{shape})"
-                )
-            work.losses[i] = loss
-        return out, tracker.outgoing
-
-    def forward(self, work: Work, action: Action) -> None:
-        seg, i = action.stage, action.microbatch
-        x = self._input(work, seg, i)
-        skips = self._skip_input(work, seg, i)
-        if work.train:
-            work.saved[(seg, i)] = x
-            work.skip_saved[(seg, i)] = skips
-            work.live += 1
-            work.peak = max(work.peak, work.live)
-            if checkpointed(work.policy, i, work.microbatches):
-                work.rng[(seg, i)] = RNGState.save(self.device)
-                with torch.no_grad():
-                    out, stashed = self._compute(work, seg, i, x, skips)
-                # Announce the gradients the recomputed outputs will want.
-                if self._wants_grad(seg, x, skips):
-                    out = _announce(out)
-                    stashed = dict(zip(stashed, _announce(tuple(stashed.values()))))
-            else:
-                out, stashed = self._compute(work, seg, i, x, skips)
-        else:
-            with torch.no_grad():
-                out, stashed = self._compute(work, seg, i, x, skips)
-        work.outputs[(seg, i)] = out
-        work.skip_out[(seg, i)] = stashed
-        for dest, keys in self.routes.outgoing.get(seg, {}).items():
-            if self.owners[dest] == self.rank:  # hand over: no message
-                work.skip_feed.setdefault((dest, i), {}).update((k, stashed[k]) for k in keys)
-        if i in work.losses and seg == self.last:
-            work.loss_sum += float(work.losses[i].detach())
-
-    def _wants_grad(self, seg: int, x: Tensors, skips: Skips) -> bool:
-        if any(t.requires_grad for t in x):
-            return True
-        if any(t is not None and t.requires_grad for t in skips.values()):
-            return True
-        params = (
-            p
-            for layer in self.segments[seg]
-            if isinstance(layer, torch.nn.Module)
-            for p in layer.parameters()
-        )
-        return any(p.requires_grad for p in params)
-
     def send_forward(self, work: Work, action: Action) -> None:
         seg, i = action.stage, action.microbatch
         assert action.peer is not None
@@ -619,72 +461,6 @@ class Runtime:
             out = out + tuple(stashed[k] for k in keys)
         peer, channel = self.channel(action)
         self.transport.send(peer, channel, Message(i, work.microbatches, out))
-
-    def backward(self, work: Work, action: Action) -> None:
-        seg, i = action.stage, action.microbatch
-        x = work.saved.pop((seg, i))
-        skips = work.skip_saved.pop((seg, i))
-        out = work.outputs.pop((seg, i))
-        stashed = work.skip_out.pop((seg, i))
-        rng = work.rng.pop((seg, i), None)
-        if rng is not None:  # recompute; autograd may be running us with gradients off
-            with rng.restored(), torch.enable_grad(), paused(self.segments[seg]):
-                out, stashed = self._compute(work, seg, i, x, skips)
-        split = (seg, i) in work.split
-        stash_grads = work.skip_grads.pop((seg, i), {})
-        # The gradients of the outputs, and what to back-propagate from in a plain backward.
-        roots: list[Tensor] = []
-        grads: list[Tensor | None] = []
-        given: Grads = ()
-        if seg == self.last and work.loss_fn is not None:
-            loss = work.losses.pop(i) * (work.loss_scale / work.microbatches)
-            if split:
-                wanted = [o for o in out if o.requires_grad]
-                found = dict(zip(map(id, wanted), torch.autograd.grad(loss, wanted)))
-                given = tuple(found.get(id(o)) for o in out)
-            elif loss.requires_grad:
-                roots, grads = [loss], [None]
-        else:
-            if seg == self.last:
-                assert work.output_grads is not None
-                given = work.output_grads[i]
-            else:
-                given = work.grads.pop((seg, i))
-            for o, g in zip(out, given):
-                if g is not None and o.requires_grad:
-                    roots.append(o)
-                    grads.append(g)
-        x_grads: list[Tensor | None]
-        if split:
-            x_grads, work.weights[(seg, i)] = input_backward(
-                work.runs.pop((seg, i)), given, stash_grads
-            )
-            skip_grads = stash_grads  # now: the gradients of the skips popped here
-        else:
-            for key, tensor in stashed.items():
-                g = stash_grads.get(key)
-                if g is not None and tensor is not None and tensor.requires_grad:
-                    roots.append(tensor)
-                    grads.append(g)
-            if roots:
-                torch.autograd.backward(roots, grads)
-            x_grads = [t.grad if t.requires_grad else None for t in x]
-            skip_grads = {
-                k: t.grad if t is not None and t.requires_grad else None for k, t in skips.items()
-            }
-            work.live -= 1
-        if seg > 0:
-            work.grads[(seg - 1, i)] = tuple(x_grads)
-        for source, keys in self.routes.incoming.get(seg, {}).items():
-            back = {k: skip_grads.get(k) for k in keys}
-            if self.owners[source] == self.rank:  # hand back: no message
-                work.skip_grads.setdefault((source, i), {}).update(back)
-            else:
-                work.skip_back.setdefault((seg, i), {}).update(back)
-
-    def weight(self, work: Work, action: Action) -> None:
-        weight_backward(work.weights.pop((action.stage, action.microbatch)))
-        work.live -= 1
 
     def send_backward(self, work: Work, action: Action) -> None:
         seg, i = action.stage, action.microbatch
@@ -698,14 +474,6 @@ class Runtime:
                 work.skip_back.pop((seg, i), None)
         peer, channel = self.channel(action)
         self.transport.send(peer, channel, Message(i, work.microbatches, grads))
-
-
-def _announce(tensors: Sequence[Tensor | None]) -> tuple[Any, ...]:
-    """Detached floating-point tensors that ask for gradients (others as they are)."""
-    return tuple(
-        t.detach().requires_grad_(True) if t is not None and t.is_floating_point() else t
-        for t in tensors
-    )
 
 
 class _Ready(PendingRecv):

@@ -157,17 +157,17 @@ def test_zero_bubble_peak_memory_equals_one_f_one_b() -> None:
 
 def test_split_backward_computes_weights_only_in_w(monkeypatch: pytest.MonkeyPatch) -> None:
     """B must not touch weight gradients: they are computed inside the W action only."""
-    import asyncpipe.runtime
+    import asyncpipe.compute
 
     inside_w = [False]
-    real = asyncpipe.runtime.weight_backward
+    real = asyncpipe.compute.weight_backward
 
     def watched(*args: Any) -> None:
         inside_w[0] = True
         real(*args)
         inside_w[0] = False
 
-    monkeypatch.setattr(asyncpipe.runtime, "weight_backward", watched)
+    monkeypatch.setattr(asyncpipe.compute, "weight_backward", watched)
     plan = {0: acts("0F0 0B0 0W0")}
     model = mlp(2)
     seen: list[bool] = []

@@ -15,8 +15,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ..partition import Segment
+from .layer import Skippable
 from .namespace import SkipKey
-from .verify import declarations
+from .verify import declarations, probe, verify_skippables
 
 __all__: list[str] = []
 
@@ -64,3 +66,25 @@ def skip_routes(layers: Sequence[object], segment_of: Sequence[int]) -> SkipRout
         routes.outgoing.setdefault(s, {})[t] = ordered
         routes.incoming.setdefault(t, {})[s] = ordered
     return routes
+
+
+def find_routes(layers: Sequence[object], segments: Sequence[Segment]) -> SkipRoutes:
+    """Check the model's skip connections and find which cross between segments."""
+    views = [probe(layer, n) for n, layer in enumerate(layers)]
+    if not any(isinstance(v, Skippable) for v in views):
+        return SkipRoutes()
+    positions: dict[int, list[int]] = {}
+    for n, layer in enumerate(layers):
+        positions.setdefault(id(layer), []).append(n)
+    reused = [p for p in positions.values() if len(p) > 1 and isinstance(views[p[0]], Skippable)]
+    if reused:
+        raise ValueError(
+            f"a skippable layer may appear at one position only (positions {reused} reuse one); "
+            f"use separate instances, each with its own Namespace via .isolate(Namespace())"
+        )
+    verify_skippables(views)
+    segment_of = [0] * len(layers)
+    for segment in segments:
+        for invocation in segment.invocations:
+            segment_of[invocation.order] = segment.index
+    return skip_routes(views, segment_of)

@@ -1,0 +1,210 @@
+"""The compute handlers of the runtime: forward, backward and weight-gradient actions.
+
+A segment's forward runs its layers on fresh leaves of its inputs (and of the skips it pops),
+under the checkpoint policy, autocast and a skip tracker; its backward back-propagates from its
+outputs and the skips it stashed, recomputing first when the forward was checkpointed::
+
+    F: x (leaves), skips in ──layers──> outputs, skips out      (no_grad when checkpointed)
+    B: [recompute] backward(outputs + skips out, their grads) ─> x.grad, skips-in grads
+    W: weight gradients of a backward that B split (zero-bubble schedules)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .batchnorm import paused
+from .failure import loss_hint
+from .microbatch import Tensors, as_tensors
+from .recompute import RNGState, checkpointed
+from .schedule import Action
+from .skip.routes import SkipRoutes
+from .skip.tracker import SkipTracker, use
+from .split import input_backward, run_cut, weight_backward
+from .work import Grads, Skips, Work, leaves, unwrap
+
+__all__: list[str] = []
+
+
+class Compute:
+    """The compute handlers; :class:`~asyncpipe.runtime.Runtime` adds plans and messages."""
+
+    rank: int
+    segments: dict[int, list[torch.nn.Module]]
+    owners: list[int]
+    routes: SkipRoutes
+    device: torch.device
+    last: int
+
+    def _input(self, work: Work, seg: int, i: int) -> Tensors:
+        if seg == 0:
+            assert work.inputs is not None
+            return work.inputs[i]
+        if (seg, i) in work.feed:
+            return leaves(work.feed.pop((seg, i)))
+        return leaves(work.outputs[(seg - 1, i)])  # previous segment on this rank
+
+    def _skip_input(self, work: Work, seg: int, i: int) -> Skips:
+        """The skips that segment ``seg`` pops from other segments, as fresh leaves."""
+        arrived = work.skip_feed.pop((seg, i), {})
+        return {k: None if t is None else leaves((t,))[0] for k, t in arrived.items()}
+
+    def _compute(
+        self, work: Work, seg: int, i: int, x: Tensors, skips: Skips
+    ) -> tuple[Tensors, Skips]:
+        """Run segment ``seg`` on ``x``; return its outputs and the skips it stashed for other
+        segments."""
+        value: object = unwrap(x)
+        split = (seg, i) in work.split and torch.is_grad_enabled()
+        tracker = SkipTracker(skips, self.routes.crossing(seg), cut=split)
+        precision = (
+            torch.autocast(self.device.type, dtype=work.autocast)
+            if work.autocast is not None
+            else contextlib.nullcontext()
+        )
+        with use(tracker), precision:
+            if split:
+                value, work.runs[(seg, i)] = run_cut(self.segments[seg], value, tracker)
+            else:
+                for layer in self.segments[seg]:
+                    value = layer(value)
+        out = as_tensors(value, f"the output of stage {seg}")
+        if seg == self.last and work.train and work.loss_fn is not None:
+            target = None if work.targets is None else unwrap(work.targets[i])
+            try:
+                loss = work.loss_fn(unwrap(out), target)
+            except Exception as e:
+                hint = loss_hint(out, None if work.targets is None else work.targets[i])
+                if hint is None:
+                    raise
+                raise ValueError(f"loss_fn failed ({type(e).__name__}: {e}); {hint}") from e
+            if not isinstance(loss, Tensor) or loss.numel() != 1:
+                shape = tuple(loss.shape) if isinstance(loss, Tensor) else ""
+                raise TypeError(
+                    f"loss_fn must return a tensor with one element (got "
+                    f"{type(loss).__name__}{shape})"
+                )
+            work.losses[i] = loss
+        return out, tracker.outgoing
+
+    def forward(self, work: Work, action: Action) -> None:
+        seg, i = action.stage, action.microbatch
+        x = self._input(work, seg, i)
+        skips = self._skip_input(work, seg, i)
+        if work.train:
+            work.saved[(seg, i)] = x
+            work.skip_saved[(seg, i)] = skips
+            work.live += 1
+            work.peak = max(work.peak, work.live)
+            if checkpointed(work.policy, i, work.microbatches):
+                work.rng[(seg, i)] = RNGState.save(self.device)
+                with torch.no_grad():
+                    out, stashed = self._compute(work, seg, i, x, skips)
+                # Announce the gradients the recomputed outputs will want.
+                if self._wants_grad(seg, x, skips):
+                    out = _announce(out)
+                    stashed = dict(zip(stashed, _announce(tuple(stashed.values()))))
+            else:
+                out, stashed = self._compute(work, seg, i, x, skips)
+        else:
+            with torch.no_grad():
+                out, stashed = self._compute(work, seg, i, x, skips)
+        work.outputs[(seg, i)] = out
+        work.skip_out[(seg, i)] = stashed
+        for dest, keys in self.routes.outgoing.get(seg, {}).items():
+            if self.owners[dest] == self.rank:  # hand over: no message
+                work.skip_feed.setdefault((dest, i), {}).update((k, stashed[k]) for k in keys)
+        if i in work.losses and seg == self.last:
+            work.loss_sum += float(work.losses[i].detach())
+
+    def _wants_grad(self, seg: int, x: Tensors, skips: Skips) -> bool:
+        if any(t.requires_grad for t in x):
+            return True
+        if any(t is not None and t.requires_grad for t in skips.values()):
+            return True
+        params = (
+            p
+            for layer in self.segments[seg]
+            if isinstance(layer, torch.nn.Module)
+            for p in layer.parameters()
+        )
+        return any(p.requires_grad for p in params)
+
+    def backward(self, work: Work, action: Action) -> None:
+        seg, i = action.stage, action.microbatch
+        x = work.saved.pop((seg, i))
+        skips = work.skip_saved.pop((seg, i))
+        out = work.outputs.pop((seg, i))
+        stashed = work.skip_out.pop((seg, i))
+        rng = work.rng.pop((seg, i), None)
+        if rng is not None:  # recompute; autograd may be running us with gradients off
+            with rng.restored(), torch.enable_grad(), paused(self.segments[seg]):
+                out, stashed = self._compute(work, seg, i, x, skips)
+        split = (seg, i) in work.split
+        stash_grads = work.skip_grads.pop((seg, i), {})
+        # The gradients of the outputs, and what to back-propagate from in a plain backward.
+        roots: list[Tensor] = []
+        grads: list[Tensor | None] = []
+        given: Grads = ()
+        if seg == self.last and work.loss_fn is not None:
+            loss = work.losses.pop(i) * (work.loss_scale / work.microbatches)
+            if split:
+                wanted = [o for o in out if o.requires_grad]
+                found = dict(zip(map(id, wanted), torch.autograd.grad(loss, wanted)))
+                given = tuple(found.get(id(o)) for o in out)
+            elif loss.requires_grad:
+                roots, grads = [loss], [None]
+        else:
+            if seg == self.last:
+                assert work.output_grads is not None
+                given = work.output_grads[i]
+            else:
+                given = work.grads.pop((seg, i))
+            for o, g in zip(out, given):
+                if g is not None and o.requires_grad:
+                    roots.append(o)
+                    grads.append(g)
+        x_grads: list[Tensor | None]
+        if split:
+            x_grads, work.weights[(seg, i)] = input_backward(
+                work.runs.pop((seg, i)), given, stash_grads
+            )
+            skip_grads = stash_grads  # now: the gradients of the skips popped here
+        else:
+            for key, tensor in stashed.items():
+                g = stash_grads.get(key)
+                if g is not None and tensor is not None and tensor.requires_grad:
+                    roots.append(tensor)
+                    grads.append(g)
+            if roots:
+                torch.autograd.backward(roots, grads)
+            x_grads = [t.grad if t.requires_grad else None for t in x]
+            skip_grads = {
+                k: t.grad if t is not None and t.requires_grad else None for k, t in skips.items()
+            }
+            work.live -= 1
+        if seg > 0:
+            work.grads[(seg - 1, i)] = tuple(x_grads)
+        for source, keys in self.routes.incoming.get(seg, {}).items():
+            back = {k: skip_grads.get(k) for k in keys}
+            if self.owners[source] == self.rank:  # hand back: no message
+                work.skip_grads.setdefault((source, i), {}).update(back)
+            else:
+                work.skip_back.setdefault((seg, i), {}).update(back)
+
+    def weight(self, work: Work, action: Action) -> None:
+        weight_backward(work.weights.pop((action.stage, action.microbatch)))
+        work.live -= 1
+
+
+def _announce(tensors: Sequence[Tensor | None]) -> tuple[Any, ...]:
+    """Detached floating-point tensors that ask for gradients (others as they are)."""
+    return tuple(
+        t.detach().requires_grad_(True) if t is not None and t.is_floating_point() else t
+        for t in tensors
+    )

@@ -1,0 +1,77 @@
+"""The state of one step on one rank: inputs, targets, and every micro-batch in flight."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from .microbatch import Tensors
+from .recompute import RNGState
+from .schedule import Action
+from .skip.namespace import SkipKey
+from .split import LayerRun
+from .transport import PendingRecv
+
+__all__: list[str] = []
+
+Grads = tuple[Tensor | None, ...]
+Skips = dict[SkipKey, Tensor | None]
+LossFn = Callable[[object, object], Tensor]
+
+
+def unwrap(tensors: Tensors) -> object:
+    """A single tensor as itself, several as a tuple: what the next layer is called with."""
+    return tensors[0] if len(tensors) == 1 else tensors
+
+
+def leaves(tensors: Sequence[Tensor]) -> Tensors:
+    """Detached copies that start a new graph, asking for gradients where the input did."""
+    out = []
+    for t in tensors:
+        leaf = t.detach()
+        if t.requires_grad and t.is_floating_point():
+            leaf.requires_grad_(True)
+        out.append(leaf)
+    return tuple(out)
+
+
+@dataclass
+class Work:
+    """What one step needs: inputs, targets and the state of every micro-batch in flight."""
+
+    microbatches: int
+    train: bool
+    inputs: list[Tensors] | None = None
+    targets: list[Tensors] | None = None
+    loss_fn: LossFn | None = None
+    output_grads: list[Grads] | None = None
+    policy: str = "never"
+    autocast: torch.dtype | None = None
+    loss_scale: float = 1.0
+    feed: dict[tuple[int, int], Tensors] = field(default_factory=dict)
+    saved: dict[tuple[int, int], Tensors] = field(default_factory=dict)
+    outputs: dict[tuple[int, int], Tensors] = field(default_factory=dict)
+    rng: dict[tuple[int, int], RNGState] = field(default_factory=dict)
+    grads: dict[tuple[int, int], Grads] = field(default_factory=dict)
+    losses: dict[int, Tensor] = field(default_factory=dict)
+    pending: dict[Action, PendingRecv] = field(default_factory=dict)
+    unposted: list[Action] = field(default_factory=list)
+    split: frozenset[tuple[int, int]] = frozenset()
+    settle: dict[Action, list[Action]] = field(default_factory=dict)
+    runs: dict[tuple[int, int], list[LayerRun]] = field(default_factory=dict)
+    weights: dict[tuple[int, int], list[tuple[LayerRun, list[Tensor | None]]]] = field(
+        default_factory=dict
+    )
+    # Skips, by (segment, micro-batch): what arrived for it, the leaves its forward popped,
+    # what it stashed for others, the gradients of those, and the gradients it sends back.
+    skip_feed: dict[tuple[int, int], Skips] = field(default_factory=dict)
+    skip_saved: dict[tuple[int, int], Skips] = field(default_factory=dict)
+    skip_out: dict[tuple[int, int], Skips] = field(default_factory=dict)
+    skip_grads: dict[tuple[int, int], Skips] = field(default_factory=dict)
+    skip_back: dict[tuple[int, int], Skips] = field(default_factory=dict)
+    loss_sum: float = 0.0
+    live: int = 0
+    peak: int = 0
