@@ -129,37 +129,6 @@ class Corpus:
 # ----- pipeline layout ------------------------------------------------------------------------
 
 
-def balance_by_cost(costs: list[float], stages: int) -> list[int]:
-    """Split layers with ``costs`` into ``stages`` consecutive non-empty groups.
-
-    Minimises the most expensive group (dynamic programming over split points), so the
-    pipeline's slowest stage, which sets its pace, is as fast as possible.
-    """
-    n = len(costs)
-    if stages > n:
-        raise ValueError(f"cannot split {n} layers into {stages} non-empty stages")
-    prefix = [0.0]
-    for cost in costs:
-        prefix.append(prefix[-1] + cost)
-    # best[s][i]: smallest achievable maximum for the first i layers in s stages.
-    best = [[math.inf] * (n + 1) for _ in range(stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0.0
-    for s in range(1, stages + 1):
-        for i in range(s, n - (stages - s) + 1):
-            for j in range(s - 1, i):
-                value = max(best[s - 1][j], prefix[i] - prefix[j])
-                if value < best[s][i]:
-                    best[s][i], cut[s][i] = value, j
-    sizes: list[int] = []
-    end = n
-    for s in range(stages, 0, -1):
-        start = cut[s][end]
-        sizes.append(end - start)
-        end = start
-    return sizes[::-1]
-
-
 def parse_balance(
     text: str | None, model: nn.Sequential, seq_len: int, stages: int, rank: int
 ) -> list[int]:
@@ -171,7 +140,7 @@ def parse_balance(
         if len(model) < stages:
             problem = f"the model has {len(model)} layers, fewer than the {stages} processes"
             raise SystemExit(f"{problem}; raise --depth" if rank == 0 else 2)
-        return balance_by_cost(layer_costs(model, seq_len), stages)
+        return asyncpipe.balance.blocks(layer_costs(model, seq_len), stages)
     try:
         balance = [int(part) for part in text.split(",")]
     except ValueError:

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 from models import grads_of, mlp, reference
-from threads import run_threads, values
+from threads import run_pipes, run_threads, values
 from torch import Tensor, nn
 
 from asyncpipe import AsyncPipe, StageFailure
@@ -31,24 +31,7 @@ def run(
     virtual_stages: int = 1,
     world: int | None = None,
 ) -> tuple[list[float], list[AsyncPipe], Tensor, Tensor]:
-    torch.manual_seed(3)
-    x, y = torch.randn(rows, 8), torch.randn(rows, 8)
-
-    def fn(rank: int, transport: Transport) -> tuple[float, AsyncPipe]:
-        pipe = AsyncPipe(
-            model,
-            balance,
-            chunks=chunks,
-            checkpoint=policy,
-            schedule=schedule,
-            virtual_stages=virtual_stages,
-            transport=transport,
-            timeout=10,
-        )
-        return pipe.step(x, y, mse), pipe
-
-    results = values(run_threads(fn, world or len(balance)))
-    return [r[0] for r in results], [r[1] for r in results], x, y
+    return run_pipes(model, balance, chunks, policy, schedule, rows, virtual_stages, world)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero_bubble"])

@@ -11,7 +11,7 @@ import skip_models
 import torch
 from models import bn_reference, grads_of, reference
 from skip_models import PopAdd, Stash, crossing, isolated, three, with_batch_norm
-from threads import run_threads, values
+from threads import run_pipes, run_threads, values
 from torch import nn
 
 from asyncpipe import AsyncPipe, LazyModule
@@ -31,24 +31,7 @@ def run(
     world: int | None = None,
     rows: int = 7,
 ) -> tuple[list[float], list[AsyncPipe], torch.Tensor, torch.Tensor]:
-    torch.manual_seed(5)
-    x, y = torch.randn(rows, 8), torch.randn(rows, 8)
-
-    def fn(rank: int, transport: Transport) -> tuple[float, AsyncPipe]:
-        pipe = AsyncPipe(
-            model,
-            balance,
-            chunks=chunks,
-            checkpoint=policy,
-            schedule=schedule,
-            virtual_stages=virtual_stages,
-            transport=transport,
-            timeout=10,
-        )
-        return pipe.step(x, y, mse), pipe
-
-    results = values(run_threads(fn, world or len(balance)))
-    return [r[0] for r in results], [r[1] for r in results], x, y
+    return run_pipes(model, balance, chunks, policy, schedule, rows, virtual_stages, world, 5)
 
 
 def check(

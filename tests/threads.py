@@ -8,7 +8,7 @@ from typing import Any
 
 from asyncpipe.transport import InProcessHub, Transport
 
-__all__ = ["run_threads"]
+__all__ = ["run_pipes", "run_threads", "values"]
 
 
 def run_threads(
@@ -40,3 +40,41 @@ def values(results: list[tuple[str, Any]]) -> list[Any]:
         if status != "ok":
             raise AssertionError(f"rank {rank} failed") from value
     return [value for _, value in results]
+
+
+def run_pipes(
+    model: Any,
+    balance: list[int],
+    chunks: int,
+    policy: str,
+    schedule: Any,
+    rows: int,
+    virtual_stages: int = 1,
+    world: int | None = None,
+    seed: int = 3,
+) -> tuple[list[float], list[Any], Any, Any]:
+    """One ``step`` of ``AsyncPipe(model, ...)`` on in-process ranks, on a seeded (rows, 8)
+    batch; returns each rank's loss and pipe, and the batch."""
+    import torch
+    from torch import nn
+
+    from asyncpipe import AsyncPipe
+
+    torch.manual_seed(seed)
+    x, y = torch.randn(rows, 8), torch.randn(rows, 8)
+
+    def fn(rank: int, transport: Transport) -> tuple[float, AsyncPipe]:
+        pipe = AsyncPipe(
+            model,
+            balance,
+            chunks=chunks,
+            checkpoint=policy,
+            schedule=schedule,
+            virtual_stages=virtual_stages,
+            transport=transport,
+            timeout=10,
+        )
+        return pipe.step(x, y, nn.functional.mse_loss), pipe
+
+    results = values(run_threads(fn, world or len(balance)))
+    return [r[0] for r in results], [r[1] for r in results], x, y
