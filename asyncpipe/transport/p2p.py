@@ -11,7 +11,9 @@ and tensors in one message::
                tag 2c+1   [ tensor 0 ] [ tensor 1 ] ...
 
 Sender and receiver keep the same record of sizes per slot, so both agree on whether a message
-fits. NCCL needs receives of the exact size, in posting order: there every message goes
+fits. Only messages up to ``PACK_LIMIT`` bytes are packed: above it, copying the tensors into
+one buffer costs more than the second message, so large tensors always go separate, straight
+from their own memory. NCCL needs receives of the exact size, in posting order: there every message goes
 separate and each receive is posted only when it is due.
 """
 
@@ -32,6 +34,7 @@ __all__: list[str] = []
 
 HEADER_SIZE = 256
 HEADER_BYTES = 8 * HEADER_SIZE
+PACK_LIMIT = 256 * 1024
 _ALIGN = 64
 _MAGIC = 0x41505031
 _PACKED, _ERROR, _SEPARATE = 0, 1, 2
@@ -250,7 +253,7 @@ class P2PTransport(Transport):
 
     def grow(self, key: tuple[int, int, int], size: int) -> None:
         """Both ends call this after a separate message: later ones of that size fit."""
-        if self.packs:
+        if self.packs and size <= PACK_LIMIT:
             self.capacity[key] = max(self.capacity.get(key, HEADER_BYTES), size)
 
     def _isend(self, tensor: Tensor, key: tuple[int, int, int], tag: int) -> None:
