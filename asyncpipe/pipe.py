@@ -264,6 +264,8 @@ class AsyncPipe(nn.Module):
             self._runtime.after_backward = self._averager.start
         self._recorder: Recorder | None = None
         if trace is not None:
+            if not isinstance(trace, TraceWriter) and self.data_parallel_size > 1:
+                trace = Path(trace) / f"replica{self.data_parallel_rank}"  # one per pipeline
             writer = trace if isinstance(trace, TraceWriter) else TraceWriter(trace, trace_every)
             config = {
                 "ranks": self.num_stages,

@@ -13,8 +13,8 @@ and tensors in one message::
 Sender and receiver keep the same record of sizes per slot, so both agree on whether a message
 fits. Only messages up to ``PACK_LIMIT`` bytes are packed: above it, copying the tensors into
 one buffer costs more than the second message, so large tensors always go separate, straight
-from their own memory. NCCL needs receives of the exact size, in posting order: there every message goes
-separate and each receive is posted only when it is due.
+from their own memory. NCCL needs receives of the exact size, in posting order: there every
+message goes separate and each receive is posted only when it is due.
 """
 
 from __future__ import annotations
