@@ -165,6 +165,7 @@ class Compute:
                 given = work.output_grads[i]
             else:
                 given = work.grads.pop((seg, i))
+            given = tuple(_like(g, o) for o, g in zip(out, given))
             for o, g in zip(out, given):
                 if g is not None and o.requires_grad:
                     roots.append(o)
@@ -180,7 +181,7 @@ class Compute:
                 g = stash_grads.get(key)
                 if g is not None and tensor is not None and tensor.requires_grad:
                     roots.append(tensor)
-                    grads.append(g)
+                    grads.append(_like(g, tensor))
             if roots:
                 torch.autograd.backward(roots, grads)
             x_grads = [t.grad if t.requires_grad else None for t in x]
@@ -200,6 +201,11 @@ class Compute:
     def weight(self, work: Work, action: Action) -> None:
         weight_backward(work.weights.pop((action.stage, action.microbatch)))
         work.live -= 1
+
+
+def _like(grad: Tensor | None, tensor: Tensor) -> Tensor | None:
+    """``grad`` in the dtype of ``tensor`` (a gradient may travel in a reduced dtype)."""
+    return grad if grad is None or grad.dtype == tensor.dtype else grad.to(tensor.dtype)
 
 
 def _announce(tensors: Sequence[Tensor | None]) -> tuple[Any, ...]:

@@ -111,6 +111,8 @@ class AsyncPipe(nn.Module):
             ``torch.autocast``; float16 adds a loss scale shared by every stage (an overflow
             on any stage drops the step's gradients everywhere and sets ``pipe.overflow``).
         loss_scale: the first loss scale with float16.
+        reduce_activations: with ``autocast``, send float32 activations (and skips) between
+            stages in the autocast dtype: half the traffic; their gradients come back in it.
         data_parallel_size: replicas of the pipeline; the world then has
             ``data_parallel_size`` times the pipeline ranks, and each stage's gradients are
             averaged over its replicas after every step.
@@ -150,6 +152,7 @@ class AsyncPipe(nn.Module):
         autocast: torch.dtype | None = None,
         loss_scale: float = 2.0**16,
         data_parallel_size: int = 1,
+        reduce_activations: bool = False,
         sample: Tensor | tuple[Tensor, ...] | None = None,
         shared_weights: Sequence[Sequence[str] | str] = (),
         trace: str | os.PathLike[str] | TraceWriter | None = None,
@@ -199,6 +202,12 @@ class AsyncPipe(nn.Module):
         self.schedule = schedule
         self.timeout = float(timeout)
         self.autocast = autocast
+        if reduce_activations and autocast is None:
+            raise ValueError(
+                "reduce_activations sends float32 activations in the autocast dtype; pass "
+                "autocast=torch.bfloat16 (or float16) with it"
+            )
+        self.reduce_activations = bool(reduce_activations)
         self.scaler = LossScaler(float(loss_scale)) if autocast is torch.float16 else None
         self.overflow = False
         """Whether the last step overflowed in float16 (its gradients were dropped everywhere)."""
@@ -457,6 +466,7 @@ class AsyncPipe(nn.Module):
                 loss_fn=loss_fn,
                 policy=policy,
                 autocast=self.autocast,
+                send_dtype=self.autocast if self.reduce_activations else None,
                 loss_scale=self.scaler.scale if self.scaler and loss_fn is not None else 1.0,
             )
 

@@ -459,6 +459,11 @@ class Runtime(Compute):
         if keys:
             stashed = work.skip_out[(seg, i)]
             out = out + tuple(stashed[k] for k in keys)
+        if work.send_dtype is not None:
+            dtype = work.send_dtype
+            out = tuple(
+                t.to(dtype) if t is not None and t.dtype == torch.float32 else t for t in out
+            )
         peer, channel = self.channel(action)
         self.transport.send(peer, channel, Message(i, work.microbatches, out))
 

@@ -97,7 +97,11 @@ def run_cut(
 def _pairs(
     tensors: Sequence[Tensor], grads: Sequence[Tensor | None]
 ) -> list[tuple[Tensor, Tensor]]:
-    return [(t, g) for t, g in zip(tensors, grads) if g is not None and t.requires_grad]
+    return [
+        (t, g if g.dtype == t.dtype else g.to(t.dtype))
+        for t, g in zip(tensors, grads)
+        if g is not None and t.requires_grad
+    ]
 
 
 def input_backward(

@@ -50,6 +50,8 @@ class Work:
     output_grads: list[Grads] | None = None
     policy: str = "never"
     autocast: torch.dtype | None = None
+    send_dtype: torch.dtype | None = None
+    """Float32 activations travel in this dtype (``AsyncPipe(reduce_activations=True)``)."""
     loss_scale: float = 1.0
     feed: dict[tuple[int, int], Tensors] = field(default_factory=dict)
     saved: dict[tuple[int, int], Tensors] = field(default_factory=dict)

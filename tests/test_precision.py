@@ -149,3 +149,43 @@ def test_autocast_must_be_a_reduced_float_type() -> None:
     error = _error(mlp(2), lambda pipe: None, autocast=torch.float64)
     assert isinstance(error, ValueError)
     assert "autocast must be None, torch.bfloat16 or torch.float16" in str(error)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_activations_can_cross_stages_in_the_reduced_dtype(schedule: str) -> None:
+    from asyncpipe.runtime import STATUS_CHANNEL
+    from asyncpipe.transport import InProcessHub, Message
+
+    model = mlp(4, seed=10)
+    torch.manual_seed(11)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    want_loss, want_grads = reference(model, x, y, 4, mse)
+    hub = InProcessHub(2)
+    sent: list[tuple[int, int, torch.dtype]] = []
+
+    def fn(rank: int, transport: Transport) -> float:
+        transport = hub.transport(rank)
+        real = transport.send
+
+        def spy(dst: int, channel: int, message: Message) -> None:
+            sent.extend((rank, channel, t.dtype) for t in message.tensors if t is not None)
+            real(dst, channel, message)
+
+        transport.send = spy  # type: ignore[method-assign]
+        pipe = AsyncPipe(
+            model, [2, 2], chunks=4, schedule=schedule, transport=transport, timeout=10,
+            autocast=torch.bfloat16, reduce_activations=True,
+        )  # fmt: skip
+        return pipe.step(x, y, mse)
+
+    losses = values(run_threads(fn, 2))
+    assert all(loss == pytest.approx(want_loss, rel=0.05) for loss in losses)
+    for got, want in zip(grads_of(list(model.parameters())), want_grads):
+        torch.testing.assert_close(got, want, atol=0.02, rtol=0.05)
+    activations = [dtype for rank, channel, dtype in sent if rank == 0 and channel < STATUS_CHANNEL]
+    assert activations and set(activations) == {torch.bfloat16}  # half the bytes of float32
+
+
+def test_reduce_activations_needs_autocast() -> None:
+    error = _error(mlp(2), lambda pipe: None, reduce_activations=True)
+    assert isinstance(error, ValueError) and "pass autocast=torch.bfloat16" in str(error)
