@@ -189,3 +189,27 @@ def test_activations_can_cross_stages_in_the_reduced_dtype(schedule: str) -> Non
 def test_reduce_activations_needs_autocast() -> None:
     error = _error(mlp(2), lambda pipe: None, reduce_activations=True)
     assert isinstance(error, ValueError) and "pass autocast=torch.bfloat16" in str(error)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reduced_precision_with_interleaved_and_clipping(dtype: torch.dtype) -> None:
+    model = mlp(4, seed=12)
+    torch.manual_seed(13)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    want_loss, want_grads = reference(model, x, y, 4, mse)
+    plain = [g.clone() for g in want_grads]
+    want_norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in plain])))
+
+    def fn(rank: int, transport: Transport) -> tuple[float, float]:
+        pipe = AsyncPipe(
+            model, [1, 1, 1, 1], chunks=4, schedule="interleaved", virtual_stages=2,
+            transport=transport, timeout=10, autocast=dtype,
+        )  # fmt: skip
+        loss = pipe.step(x, y, mse)
+        return loss, float(pipe.clip_grad_norm_(1e9))  # a bound that does not clip
+
+    for loss, norm in values(run_threads(fn, 2)):
+        assert loss == pytest.approx(want_loss, rel=0.05)
+        assert norm == pytest.approx(want_norm, rel=0.05)
+    for got, want in zip(grads_of(list(model.parameters())), want_grads):
+        torch.testing.assert_close(got, want, atol=0.02, rtol=0.05)
