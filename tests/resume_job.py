@@ -23,6 +23,11 @@ from asyncpipe import checkpoint
 def main(ckpt: str, log: str, steps: int, every: int, kill_at: int, signal_at: int) -> None:
     rank = int(os.environ["RANK"])
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt > 0:
+        # A fresh rendezvous for every attempt: the restarted group may otherwise find the
+        # previous attempt's addresses in torchrun's store and stall connecting to them.
+        os.environ["MASTER_PORT"] = str(int(os.environ["MASTER_PORT"]) + 100 + attempt)
+        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
     asyncpipe.init(backend="gloo", timeout=60)
     pipe = asyncpipe.AsyncPipe(training.model(), [4, 4], chunks=2, timeout=20)
     opt = training.optimizer(pipe.parameters())
