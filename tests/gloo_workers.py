@@ -25,6 +25,37 @@ def _diff(pipe: AsyncPipe, want: dict[int, Tensor], model: nn.Module) -> float:
     return worst
 
 
+def errors(
+    model: nn.Module,
+    balance: list[int],
+    chunks: int,
+    policy: str,
+    schedule: str,
+    virtual: int,
+    rows: int,
+    seed: int,
+    transport: str,
+) -> tuple[float, float]:
+    """One step of ``model`` in a pipeline on a seeded batch: how far its loss and this rank's
+    gradients are from the plain model's."""
+    torch.manual_seed(seed)
+    x, y = torch.randn(rows, 8), torch.randn(rows, 8)
+    want_loss, grads = reference(model, x, y, chunks, mse)
+    pipe = AsyncPipe(
+        model,
+        balance,
+        chunks=chunks,
+        checkpoint=policy,
+        timeout=30,
+        schedule=schedule,
+        virtual_stages=virtual,
+        transport=transport,
+    )
+    first, last = pipe.is_first_stage, pipe.is_last_stage
+    loss = pipe.step(x if first else None, y if last else None, mse)
+    return abs(loss - want_loss), _diff(pipe, dict(enumerate(grads)), model)
+
+
 def transparency(
     rank: int,
     world: int,
@@ -43,23 +74,10 @@ def transparency(
             for chunks in chunks_list:
                 for policy in policies:
                     model = mlp(sum(balance), seed=sum(balance) + chunks)
-                    torch.manual_seed(7)
-                    x, y = torch.randn(rows, 8), torch.randn(rows, 8)
-                    want_loss, grads = reference(model, x, y, chunks, mse)
-                    pipe = AsyncPipe(
-                        model,
-                        balance,
-                        chunks=chunks,
-                        checkpoint=policy,
-                        timeout=30,
-                        schedule=schedule,
-                        virtual_stages=virtual,
-                        transport=transport,
-                    )
-                    first, last = pipe.is_first_stage, pipe.is_last_stage
-                    loss = pipe.step(x if first else None, y if last else None, mse)
                     key = f"{schedule}-{balance}-{chunks}-{policy}"
-                    out[key] = (abs(loss - want_loss), _diff(pipe, dict(enumerate(grads)), model))
+                    out[key] = errors(
+                        model, balance, chunks, policy, schedule, virtual, rows, 7, transport
+                    )
     return out
 
 

@@ -14,58 +14,53 @@ from spawn import free_port
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.slow
-def test_train_lm_runs_under_torchrun(tmp_path: Path) -> None:
+def torchrun(script: str, *args: str) -> str:
+    """Run ``examples/<script>`` on two processes under torchrun; return its output."""
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
         "--master-addr=127.0.0.1", f"--master-port={free_port()}",
-        str(ROOT / "examples" / "train_lm.py"),
-        "--steps", "8", "--dim", "32", "--depth", "2", "--log-every", "4", "--sample-chars", "20",
-        "--trace", str(tmp_path / "trace"), "--trace-every", "4",
+        str(ROOT / "examples" / script), *args,
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1")
     result = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    losses = [float(v) for v in re.findall(r"step +\d+/\d+ +loss (\d+\.\d+)", result.stdout)]
-    assert len(losses) >= 2 and losses[-1] < losses[0], result.stdout
-    assert "idle" in result.stdout
-    assert f"trace: {tmp_path / 'trace'}" in result.stdout
+    return result.stdout
+
+
+@pytest.mark.slow
+def test_train_lm_runs_under_torchrun(tmp_path: Path) -> None:
+    stdout = torchrun(
+        "train_lm.py", "--steps", "8", "--dim", "32", "--depth", "2", "--log-every", "4",
+        "--sample-chars", "20", "--trace", str(tmp_path / "trace"), "--trace-every", "4",
+    )  # fmt: skip
+    losses = [float(v) for v in re.findall(r"step +\d+/\d+ +loss (\d+\.\d+)", stdout)]
+    assert len(losses) >= 2 and losses[-1] < losses[0], stdout
+    assert "idle" in stdout
+    assert f"trace: {tmp_path / 'trace'}" in stdout
     assert (tmp_path / "trace" / "timeline.html").exists()
 
 
 @pytest.mark.slow
 def test_train_resnet_with_skips_and_deferred_batch_norm() -> None:
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
-        "--master-addr=127.0.0.1", f"--master-port={free_port()}",
-        str(ROOT / "examples" / "train_resnet.py"),
-        "--epochs", "2", "--train", "1536", "--test", "256", "--width", "8",
-    ]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    result = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    assert "skips crossing stages (from stage, to stage): [(0, 1)]" in result.stdout
-    losses = [float(v) for v in re.findall(r"epoch \d+/\d+ +loss (\d+\.\d+)", result.stdout)]
-    assert len(losses) == 2 and losses[1] < losses[0], result.stdout
-    accuracy = float(re.findall(r"test accuracy (\d\.\d+)", result.stdout)[0])
-    assert accuracy > 0.5, result.stdout  # four classes: chance is 0.25
+    stdout = torchrun(
+        "train_resnet.py", "--epochs", "2", "--train", "1536", "--test", "256", "--width", "8",
+    )  # fmt: skip
+    assert "skips crossing stages (from stage, to stage): [(0, 1)]" in stdout
+    losses = [float(v) for v in re.findall(r"epoch \d+/\d+ +loss (\d+\.\d+)", stdout)]
+    assert len(losses) == 2 and losses[1] < losses[0], stdout
+    accuracy = float(re.findall(r"test accuracy (\d\.\d+)", stdout)[0])
+    assert accuracy > 0.5, stdout  # four classes: chance is 0.25
 
 
 @pytest.mark.slow
 def test_train_cutpoint_runs_under_torchrun() -> None:
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
-        "--master-addr=127.0.0.1", f"--master-port={free_port()}",
-        str(ROOT / "examples" / "train_cutpoint.py"),
-        "--steps", "10", "--dim", "32", "--depth", "2", "--log-every", "5",
-    ]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    result = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    losses = [float(v) for v in re.findall(r"step +\d+/\d+ +loss (\d+\.\d+)", result.stdout)]
-    assert len(losses) >= 2 and losses[-1] < losses[0], result.stdout
-    assert "balance found by timing them: [2, 2]" in result.stdout, result.stdout
-    assert "differ by 0.0" in result.stdout, result.stdout
+    stdout = torchrun(
+        "train_cutpoint.py", "--steps", "10", "--dim", "32", "--depth", "2", "--log-every", "5",
+    )  # fmt: skip
+    losses = [float(v) for v in re.findall(r"step +\d+/\d+ +loss (\d+\.\d+)", stdout)]
+    assert len(losses) >= 2 and losses[-1] < losses[0], stdout
+    assert "balance found by timing them: [2, 2]" in stdout, stdout
+    assert "differ by 0.0" in stdout, stdout
 
 
 def test_progress_bar_redraws_one_line_on_a_terminal(

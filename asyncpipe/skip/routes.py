@@ -33,10 +33,12 @@ class SkipRoutes:
 
     outgoing: dict[int, dict[int, tuple[SkipKey, ...]]] = field(default_factory=dict)
     incoming: dict[int, dict[int, tuple[SkipKey, ...]]] = field(default_factory=dict)
+    leaving: dict[int, frozenset[SkipKey]] = field(default_factory=dict)
+    """Per segment, every key it stashes for another segment (what :meth:`crossing` returns)."""
 
     def crossing(self, segment: int) -> frozenset[SkipKey]:
         """The keys stashed in ``segment`` that other segments pop."""
-        return frozenset(k for keys in self.outgoing.get(segment, {}).values() for k in keys)
+        return self.leaving.get(segment, frozenset())
 
     def edges(self) -> set[tuple[int, int]]:
         """Every (stashing segment, popping segment) pair with at least one skip."""
@@ -65,6 +67,7 @@ def skip_routes(layers: Sequence[object], segment_of: Sequence[int]) -> SkipRout
         ordered = tuple(sorted(keys, key=lambda k: (stashed_at[k], k[1])))
         routes.outgoing.setdefault(s, {})[t] = ordered
         routes.incoming.setdefault(t, {})[s] = ordered
+        routes.leaving[s] = routes.leaving.get(s, frozenset()) | set(ordered)
     return routes
 
 

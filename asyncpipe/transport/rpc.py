@@ -14,10 +14,10 @@ from device to device without a trip through host memory.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 from torch import Tensor
@@ -171,15 +171,17 @@ class RPCTransport(Transport):
 
     def flush(self, timeout: float) -> None:
         futures, self._futures = self._futures, []
-        deadline = time.monotonic() + timeout
+        if not futures:
+            return
+        delivered = threading.Event()
+        torch.futures.collect_all([f for _, f in futures]).then(lambda _: delivered.set())
+        if not delivered.wait(timeout):
+            late = sorted({dst for dst, f in futures if not f.done()})
+            raise TransportTimeout(
+                f"rank {self.rank} could not deliver its messages to ranks {late} (RPC workers "
+                f"{[self.worker_map[d] for d in late]}) within {timeout:.1f} s"
+            )
         for dst, future in futures:
-            while not future.done():
-                if time.monotonic() > deadline:
-                    raise TransportTimeout(
-                        f"rank {self.rank} could not deliver its messages to rank {dst} (RPC "
-                        f"worker {self.worker_map[dst]!r}) within {timeout:.1f} s"
-                    )
-                time.sleep(0.0005)
             try:
                 future.wait()
             except Exception as e:
