@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import resource
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-__all__ = ["LaunchResult", "free_port", "launch"]
+__all__ = ["LaunchResult", "free_port", "launch", "launch_workers"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -162,3 +165,21 @@ def launch(
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = usage.ru_utime + usage.ru_stime - cpu_before
     return LaunchResult(codes, timed_out, time.monotonic() - start, logs, cpu)
+
+
+def launch_workers(
+    module: str, argv: Sequence[str], world: int, ranks: int, timeout_s: float = 900
+) -> list[dict[str, Any]]:
+    """Run ``python -m module --worker --out DIR *argv`` on ``world`` ranks and return the JSON
+    record (``DIR/rank<r>.json``) of each of the first ``ranks`` ranks.
+
+    Raises:
+        RuntimeError: saying why the group failed.
+    """
+    with tempfile.TemporaryDirectory() as work:
+        result = launch(
+            module, ["--worker", "--out", work, *argv], world, timeout_s, Path(work) / "logs"
+        )
+        if not result.ok:
+            raise RuntimeError(f"the benchmark failed: {result.failure()}")
+        return [json.loads((Path(work) / f"rank{r}.json").read_text()) for r in range(ranks)]

@@ -10,10 +10,8 @@ for every layout (8 micro-batches of 4 rows): a replica of ``D`` runs ``8 / D`` 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -22,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from .gpipe import replace_section
-from .launch import launch
-from .worker import _loss, write_record
+from .launch import launch_workers
+from .worker import _loss, timed_steps, write_record
 from .workload import SHAPES, build_model, make_batch
 
 __all__ = ["main"]
@@ -61,17 +59,15 @@ def _run(args: argparse.Namespace, replicas: int, stages: int, dtype: str) -> di
 
         averager.finish = timed  # type: ignore[method-assign]
     x, y = make_batch(chunks, MICRO, args.shape, seed=1 + pipe.data_parallel_rank)
-    times = []
-    for _ in range(args.steps + 1):
-        dist.barrier()
-        start = time.perf_counter()
-        pipe.step(x if pipe.is_first_stage else None, y if pipe.is_last_stage else None, _loss)
-        times.append(time.perf_counter() - start)
+    first, last = pipe.is_first_stage, pipe.is_last_stage
+    times = timed_steps(
+        lambda: pipe.step(x if first else None, y if last else None, _loss), args.steps
+    )
     grad_bytes = sum(p.numel() * p.element_size() for p in pipe.parameters())
     element = 2 if reduced else 4
     activation = MICRO * int(torch.Size(SHAPES[args.shape]).numel()) * element
     return {
-        "median_s": statistics.median(times[1:]),
+        "median_s": statistics.median(times),
         "allreduce_wait_s": statistics.median(waits[1:]) if len(waits) > 1 else 0.0,
         "grad_bytes": grad_bytes,
         # activation forward + its gradient back, per boundary and micro-batch, per replica
@@ -128,19 +124,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         return worker(args)
-    with tempfile.TemporaryDirectory() as work:
-        forwarded = list(argv if argv is not None else sys.argv[1:])
-        result = launch(
-            "benchmarks.parallel",
-            ["--worker", "--out", work, *forwarded],
-            4,
-            timeout_s=900,
-            log_dir=Path(work) / "logs",
+    try:
+        records = launch_workers(
+            "benchmarks.parallel", argv if argv is not None else sys.argv[1:], 4, 1
         )
-        if not result.ok:
-            print(f"the benchmark failed: {result.failure()}", file=sys.stderr)
-            return 1
-        record = json.loads((Path(work) / "rank0.json").read_text())
+    except RuntimeError as e:
+        print(e, file=sys.stderr)
+        return 1
+    record = records[0]
     table = _table(record, args)
     print(table)
     if not args.no_write:

@@ -15,11 +15,9 @@ as the runtime posts them. Step time: ``AsyncPipe(schedule="1f1b")`` on the refe
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -28,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from .gpipe import replace_section
-from .launch import launch
-from .worker import _loss, write_record
+from .launch import launch_workers
+from .worker import _loss, timed_steps, write_record
 from .workload import SHAPES, build_model, make_batch, nominal_ideal_s
 
 __all__ = ["main"]
@@ -114,13 +112,9 @@ def _step_time(
         transport=transport,
     )
     x, y = make_batch(chunks, 4, "small")
-    times = []
-    for _ in range(steps + 1):
-        dist.barrier()
-        start = time.perf_counter()
-        pipe.step(x if pipe.is_first_stage else None, y if pipe.is_last_stage else None, _loss)
-        times.append(time.perf_counter() - start)
-    return {"median_s": statistics.median(times[1:]), "min_s": min(times[1:])}
+    first, last = pipe.is_first_stage, pipe.is_last_stage
+    times = timed_steps(lambda: pipe.step(x if first else None, y if last else None, _loss), steps)
+    return {"median_s": statistics.median(times), "min_s": min(times)}
 
 
 def _fairscale_step_time(f_ms: float, chunks: int, steps: int) -> dict[str, Any]:
@@ -141,17 +135,16 @@ def _fairscale_step_time(f_ms: float, chunks: int, steps: int) -> dict[str, Any]
         checkpoint="never",
     )
     x, y = make_batch(chunks, 4, "small")
-    times = []
-    for _ in range(steps + 1):
-        dist.barrier()
-        start = time.perf_counter()
+
+    def step() -> None:
         out = pipe(x)
         if pipe.final_stage:
             _loss(out, y).backward()
         else:
             pipe.back_helper(out)
-        times.append(time.perf_counter() - start)
-    return {"median_s": statistics.median(times[1:]), "min_s": min(times[1:])}
+
+    times = timed_steps(step, steps)
+    return {"median_s": statistics.median(times), "min_s": min(times)}
 
 
 def worker(args: argparse.Namespace) -> int:
@@ -256,19 +249,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         return worker(args)
-    with tempfile.TemporaryDirectory() as work:
-        forwarded = [a for a in (argv if argv is not None else sys.argv[1:])]
-        result = launch(
-            "benchmarks.transports",
-            ["--worker", "--out", work, *forwarded],
-            args.processes,
-            timeout_s=900,
-            log_dir=Path(work) / "logs",
+    try:
+        records = launch_workers(
+            "benchmarks.transports", argv if argv is not None else sys.argv[1:], args.processes, 2
         )
-        if not result.ok:
-            print(f"the benchmark failed: {result.failure()}", file=sys.stderr)
-            return 1
-        records = [json.loads((Path(work) / f"rank{r}.json").read_text()) for r in range(2)]
+    except RuntimeError as e:
+        print(e, file=sys.stderr)
+        return 1
     table = _table(records, args)
     print(table)
     if not args.no_write:

@@ -119,6 +119,18 @@ def _torch_step(
     return step
 
 
+def timed_steps(step: Callable[[], object], steps: int) -> list[float]:
+    """Seconds of ``steps`` calls of ``step`` after one untimed warm-up call, each started
+    together on every rank (a barrier before each)."""
+    times = []
+    for _ in range(steps + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return times[1:]
+
+
 def write_record(path: Path, record: dict[str, Any]) -> None:
     """Write a rank's JSON record atomically (the launcher may read it at any time)."""
     tmp = path.with_suffix(".tmp")
