@@ -9,7 +9,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from spawn import free_port
+from spawn import free_port, rank_env
 
 __all__ = ["Ended", "run_processes"]
 
@@ -39,15 +39,7 @@ def run_processes(
     procs = []
     began = time.monotonic()
     for rank in range(world):
-        env = dict(
-            os.environ,
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            RANK=str(rank),
-            WORLD_SIZE=str(world),
-            LOCAL_RANK=str(rank),
-            OMP_NUM_THREADS="1",
-        )
+        env = dict(os.environ, **rank_env(rank, world, port))
         procs.append(
             subprocess.Popen(
                 [sys.executable, script, *args],

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["free_port", "run_ranks"]
+__all__ = ["free_port", "rank_env", "run_ranks"]
 
 
 def free_port() -> int:
@@ -21,17 +21,22 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
+    """The environment torchrun gives rank ``rank`` of ``world`` on this host (one thread)."""
+    return {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(rank),
+        "OMP_NUM_THREADS": "1",
+    }
+
+
 def _worker(
     rank: int, world: int, port: int, out: str, fn: Callable[..., Any], args: tuple, backend: str
 ) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        OMP_NUM_THREADS="1",
-    )
+    os.environ.update(rank_env(rank, world, port))
     torch.set_num_threads(1)
     try:
         import asyncpipe
