@@ -89,7 +89,6 @@ class RemotePipe:
             )
         self.name = f"remote-pipe-{next(_names)}"
         self.balance = list(balance)
-        self._names = _layer_names(module)
         futures = [
             torch_rpc.rpc_async(
                 self.workers[r],
@@ -197,10 +196,8 @@ class RemotePipe:
         """The state of the whole model, gathered from every stage, with the plain model's
         keys (on the CPU)."""
         out: dict[str, Tensor] = {}
-        for states in self._each(remote.local_state, lambda r: ()):
-            for position, state in states.items():
-                for key, value in state.items():
-                    out[f"{self._names[position]}.{key}"] = value
+        for state in self._each(remote.local_state, lambda r: ()):
+            out.update(state)
         return out
 
     def shutdown(self) -> None:
@@ -223,9 +220,3 @@ class RemotePipe:
 
 PipeRPCWrapper = RemotePipe
 """The name fairscale users know."""
-
-
-def _layer_names(module: object) -> list[str]:
-    if isinstance(module, nn.Sequential):
-        return list(module._modules.keys())
-    return [str(n) for n in range(len(module))]  # type: ignore[arg-type]

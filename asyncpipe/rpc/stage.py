@@ -17,7 +17,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
 
 from ..failure import StageFailure
 from ..pipe import AsyncPipe
@@ -151,17 +150,6 @@ def set_mode(pipe: AsyncPipe, training: bool) -> None:
     pipe.train(training)
 
 
-def local_state(pipe: AsyncPipe) -> dict[int, dict[str, torch.Tensor]]:
-    """The state of each local layer, by its position in the model (first position of a
-    reused layer), on the CPU."""
-    out: dict[int, dict[str, torch.Tensor]] = {}
-    mine = pipe.partitions[pipe.stage]
-    for invocation in mine.invocations:
-        if invocation.order in out or any(
-            i.this.index == invocation.this.index and i.order < invocation.order
-            for i in mine.invocations
-        ):
-            continue
-        layer: nn.Module = pipe.layers[invocation.this.index]
-        out[invocation.order] = {k: v.detach().cpu() for k, v in layer.state_dict().items()}
-    return out
+def local_state(pipe: AsyncPipe) -> dict[str, torch.Tensor]:
+    """This stage's state with the plain model's keys (``AsyncPipe.state_dict``), on the CPU."""
+    return {k: v.detach().cpu() for k, v in pipe.state_dict().items()}
