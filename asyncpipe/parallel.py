@@ -127,6 +127,7 @@ def connect(
 ) -> tuple[Transport, int, dist.ProcessGroup | None]:
     """The transport of this rank's pipeline, its replica, and its data-parallel group (None
     with one replica). ``transport`` is a name or a ready Transport (one replica only)."""
+    layout = Layout(ranks, data_parallel_size)
     data_parallel_rank = 0
     pipeline_group = data_parallel_group = None
     if data_parallel_size > 1:
@@ -138,14 +139,13 @@ def connect(
                 f"{ranks}); launch {data_parallel_size * ranks} processes or change "
                 f"data_parallel_size"
             )
-        layout = Layout(ranks, data_parallel_size)
         me = dist.get_rank()
         pipeline_group, data_parallel_group = groups(layout, me)
         data_parallel_rank = layout.replica(me)
     if transport == "rpc":
         if pipeline_group is None:
             return RPCTransport(), 0, None
-        names = Layout(ranks, data_parallel_size).pipeline_ranks(data_parallel_rank)
+        names = layout.pipeline_ranks(data_parallel_rank)
         rpc = RPCTransport(
             {s: f"worker{r}" for s, r in enumerate(names)},
             name=f"pipe-replica{data_parallel_rank}",
