@@ -232,3 +232,29 @@ def settle(rank: int, world: int) -> Any:
     transport.send(0, 6, Message(0, 1, (torch.zeros(1),)))
     transport.flush(30)
     return [float(m.tensors[0].sum()) for m in got if m.tensors[0] is not None]
+
+
+def message_sizes(rank: int, world: int) -> Any:
+    """Messages of one slot, small then large then small, arrive intact; the transport packs
+    (one buffer) only the small ones once it knows their size, and never grows a receive past
+    its packing limit."""
+    from asyncpipe.transport import Message, P2PTransport
+    from asyncpipe.transport.p2p import PACK_LIMIT
+
+    transport = P2PTransport()
+    sizes = [16, 16, PACK_LIMIT, PACK_LIMIT, 16, 16]  # float32 elements: 64 B ... 1 MiB
+    if rank == 0:
+        for n, size in enumerate(sizes):
+            transport.send(1, 7, Message(0, 1, (torch.full((size,), float(n)),)))
+            transport.recv(1, 8).wait(30)  # one message in flight per slot, as in a pipeline
+            transport.flush(30)
+        return None
+    got = []
+    for _ in sizes:
+        message = transport.recv(0, 7, 0).wait(30)
+        tensor = message.tensors[0]
+        assert tensor is not None
+        got.append((tensor.numel(), float(tensor.mean())))
+        transport.send(0, 8, Message(0, 1, (torch.zeros(1),)))
+    transport.flush(30)
+    return got, max(transport.capacity.values(), default=0)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from gloo_workers import dropout, failure, features, settle, transparency
+from gloo_workers import dropout, failure, features, message_sizes, settle, transparency
 from spawn import run_ranks
 
 pytestmark = pytest.mark.slow
@@ -99,3 +99,12 @@ def test_settled_sends_release_their_buffers() -> None:
     assert (
         len(receiver) == 3 and receiver[0] == 0.0 and receiver[2] == pytest.approx(2 * receiver[1])
     )
+
+
+def test_large_messages_go_separate_and_small_ones_packed() -> None:
+    from asyncpipe.transport.p2p import PACK_LIMIT
+
+    got, capacity = run_ranks(message_sizes, 2, timeout=60)[1]
+    sizes = [16, 16, PACK_LIMIT, PACK_LIMIT, 16, 16]
+    assert got == [(size, float(n)) for n, size in enumerate(sizes)]
+    assert capacity <= PACK_LIMIT  # a 1 MiB message never made a receive buffer that large
