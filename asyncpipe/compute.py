@@ -73,24 +73,32 @@ class Compute:
             else:
                 for layer in self.segments[seg]:
                     value = layer(value)
-        out = as_tensors(value, f"the output of stage {seg}")
-        if seg == self.last and work.train and work.loss_fn is not None:
-            target = None if work.targets is None else unwrap(work.targets[i])
-            try:
-                loss = work.loss_fn(unwrap(out), target)
-            except Exception as e:
-                hint = loss_hint(out, None if work.targets is None else work.targets[i])
-                if hint is None:
-                    raise
-                raise ValueError(f"loss_fn failed ({type(e).__name__}: {e}); {hint}") from e
-            if not isinstance(loss, Tensor) or loss.numel() != 1:
-                shape = tuple(loss.shape) if isinstance(loss, Tensor) else ""
-                raise TypeError(
-                    f"loss_fn must return a tensor with one element (got "
-                    f"{type(loss).__name__}{shape})"
-                )
-            work.losses[i] = loss
+            out = as_tensors(value, f"the output of stage {seg}")
+            if seg == self.last and work.train and work.loss_fn is not None:
+                # under autocast too, as torch.amp asks: the loss then runs in float32 where
+                # autocast's lists say so (mse_loss of a bfloat16 output and a float32 target)
+                work.losses[i] = self._loss(work, out, i)
         return out, tracker.outgoing
+
+    @staticmethod
+    def _loss(work: Work, out: Tensors, i: int) -> Tensor:
+        """The loss of micro-batch ``i`` from the last stage's output ``out``."""
+        assert work.loss_fn is not None
+        target = None if work.targets is None else unwrap(work.targets[i])
+        try:
+            loss = work.loss_fn(unwrap(out), target)
+        except Exception as e:
+            hint = loss_hint(out, None if work.targets is None else work.targets[i])
+            if hint is None:
+                raise
+            raise ValueError(f"loss_fn failed ({type(e).__name__}: {e}); {hint}") from e
+        if not isinstance(loss, Tensor) or loss.numel() != 1:
+            shape = tuple(loss.shape) if isinstance(loss, Tensor) else ""
+            raise TypeError(
+                f"loss_fn must return a tensor with one element (got "
+                f"{type(loss).__name__}{shape})"
+            )
+        return loss
 
     def forward(self, work: Work, action: Action) -> None:
         seg, i = action.stage, action.microbatch

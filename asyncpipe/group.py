@@ -24,8 +24,11 @@ def init(
     """Set up the default process group from torchrun's environment, and RPC if asked.
 
     Harmless when the process group (or RPC) already exists (it is left as it is). The backend
-    is NCCL when CUDA is available, else gloo; with NCCL the current CUDA device is set to
-    ``LOCAL_RANK``.
+    is NCCL when every process of the node has a GPU of its own, else gloo (no GPU, or more
+    processes than GPUs: NCCL refuses two ranks on one GPU). With CUDA, the current device is
+    set to GPU ``LOCAL_RANK % torch.cuda.device_count()``, so processes that outnumber the GPUs
+    share them; pass ``device=...`` to :class:`~asyncpipe.AsyncPipe` to compute there over gloo
+    (the p2p transport then stages messages through host memory).
 
     Args:
         backend: ``"gloo"``, ``"nccl"`` or ``None`` to choose as above.
@@ -47,6 +50,16 @@ def init(
         _init_rpc(timeout, worker_map)
 
 
+def choose_backend(gpus: int, local_world_size: int) -> str:
+    """The default backend: NCCL when each of the node's processes has a GPU of its own.
+
+    Example:
+        >>> choose_backend(0, 4), choose_backend(4, 4), choose_backend(1, 2)
+        ('gloo', 'nccl', 'gloo')
+    """
+    return "nccl" if 0 < local_world_size <= gpus else "gloo"
+
+
 def _init_group(backend: str | None, timeout: float | datetime.timedelta) -> None:
     missing = [name for name in _TORCHRUN_VARIABLES if name not in os.environ]
     if missing:
@@ -55,10 +68,12 @@ def _init_group(backend: str | None, timeout: float | datetime.timedelta) -> Non
             f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing; launch the "
             "script with torchrun, e.g. torchrun --standalone --nproc-per-node=4 train.py"
         )
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = choose_backend(gpus, local_world)
+    if gpus:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % gpus)
     if not isinstance(timeout, datetime.timedelta):
         timeout = datetime.timedelta(seconds=float(timeout))
     dist.init_process_group(backend=backend, timeout=timeout)
@@ -78,9 +93,10 @@ def _init_rpc(timeout: float | datetime.timedelta, worker_map: Mapping[int, str]
     names = {r: (worker_map or {}).get(r, f"worker{r}") for r in range(world)}
     seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
     options = torch_rpc.TensorPipeRpcBackendOptions(rpc_timeout=float(seconds))
-    if torch.cuda.is_available() and dist.get_backend() == "nccl":
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(torch.cuda.device_count())))
-        for worker, mapping in device_maps(rank, world, local_world, names).items():
+    if torch.cuda.is_available():
+        gpus = torch.cuda.device_count()
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+        for worker, mapping in device_maps(rank, world, local_world, names, gpus).items():
             options.set_device_map(worker, dict(mapping.items()))
     torch_rpc.init_rpc(  # type: ignore[no-untyped-call]
         names[rank], rank=rank, world_size=world, rpc_backend_options=options

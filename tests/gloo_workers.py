@@ -35,11 +35,13 @@ def errors(
     rows: int,
     seed: int,
     transport: str,
+    device: str = "cpu",
 ) -> tuple[float, float]:
     """One step of ``model`` in a pipeline on a seeded batch: how far its loss and this rank's
-    gradients are from the plain model's."""
+    gradients are from the plain model's (model, batch and stages on ``device``)."""
     torch.manual_seed(seed)
-    x, y = torch.randn(rows, 8), torch.randn(rows, 8)
+    x, y = torch.randn(rows, 8, device=device), torch.randn(rows, 8, device=device)
+    model.to(device)
     want_loss, grads = reference(model, x, y, chunks, mse)
     pipe = AsyncPipe(
         model,
@@ -50,6 +52,7 @@ def errors(
         schedule=schedule,
         virtual_stages=virtual,
         transport=transport,
+        device=device,
     )
     first, last = pipe.is_first_stage, pipe.is_last_stage
     loss = pipe.step(x if first else None, y if last else None, mse)
@@ -65,6 +68,7 @@ def transparency(
     policies: tuple[str, ...] = ("always", "except_last", "never"),
     rows: int = 10,
     transport: str = "p2p",
+    device: str = "cpu",
 ) -> Any:
     """Loss and gradient errors against the plain model for every combination given."""
     out = {}
@@ -76,7 +80,16 @@ def transparency(
                     model = mlp(sum(balance), seed=sum(balance) + chunks)
                     key = f"{schedule}-{balance}-{chunks}-{policy}"
                     out[key] = errors(
-                        model, balance, chunks, policy, schedule, virtual, rows, 7, transport
+                        model,
+                        balance,
+                        chunks,
+                        policy,
+                        schedule,
+                        virtual,
+                        rows,
+                        7,
+                        transport,
+                        device,
                     )
     return out
 

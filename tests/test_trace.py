@@ -137,7 +137,8 @@ def test_chrome_trace_has_one_track_per_rank_and_every_action_once(gloo_run: Pat
         for mb in range(4):
             send = by[(0, f"0SEND_F{mb}->1", step)]
             recv = by[(1, f"1RECV_F{mb}->0", step)]
-            assert recv["ts"] + recv["dur"] >= send["ts"] - 200  # 0.2 ms of clock error
+            # clock error: half the best of 8 round trips; a few ms on a busy machine
+            assert recv["ts"] + recv["dur"] >= send["ts"] - 2000
 
 
 @pytest.mark.slow

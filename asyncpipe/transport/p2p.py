@@ -14,7 +14,9 @@ Sender and receiver keep the same record of sizes per slot, so both agree on whe
 fits. Only messages up to ``PACK_LIMIT`` bytes are packed: above it, copying the tensors into
 one buffer costs more than the second message, so large tensors always go separate, straight
 from their own memory. NCCL needs receives of the exact size, in posting order: there every
-message goes separate and each receive is posted only when it is due.
+message goes separate and each receive is posted only when it is due. Gloo moves host memory
+only: with CUDA tensors over gloo (processes sharing a GPU), messages are staged through host
+memory and received tensors are moved to the transport's device.
 """
 
 from __future__ import annotations
@@ -152,7 +154,7 @@ class _P2PRecv(PendingRecv):
     def __init__(self, transport: P2PTransport, src: int, channel: int, slot: int) -> None:
         self.transport, self.src, self.channel, self.slot = transport, src, channel, slot
         capacity = transport.capacity.get((src, channel, slot), HEADER_BYTES)
-        self.buffer = torch.empty(capacity, dtype=torch.uint8, device=transport.device)
+        self.buffer = torch.empty(capacity, dtype=torch.uint8, device=transport.wire)
         self.work: dist.Work | None = dist.irecv(
             self.buffer, transport.global_rank(src), group=transport.group, tag=2 * channel
         )
@@ -201,7 +203,7 @@ class _P2PRecv(PendingRecv):
                 if code < 0:
                     tensors.append(None)
                     continue
-                buffer = torch.empty(shape, dtype=_DTYPES[code], device=transport.device)
+                buffer = torch.empty(shape, dtype=_DTYPES[code], device=transport.wire)
                 peer = transport.global_rank(self.src)
                 tag = 2 * self.channel + 1
                 works.append(dist.irecv(buffer, peer, group=transport.group, tag=tag))
@@ -210,6 +212,8 @@ class _P2PRecv(PendingRecv):
                 self._wait(work, timeout, f"the tensors of micro-batch {microbatch}")
             if kind == _SEPARATE:
                 transport.grow(key, total)
+        if transport.wire != transport.device:
+            tensors = [t if t is None else t.to(transport.device) for t in tensors]
         for tensor, (_, requires_grad, _) in zip(tensors, specs):
             if tensor is not None and requires_grad:
                 tensor.requires_grad_(True)
@@ -222,7 +226,8 @@ class P2PTransport(Transport):
     Args:
         group: the process group of the pipeline (default: the whole world); pipeline rank
             ``r`` is the ``r``-th rank of the group.
-        device: where received tensors are placed (a CUDA device with NCCL).
+        device: where received tensors are placed (a CUDA device with NCCL; with gloo, CUDA
+            tensors are staged through host memory).
 
     Example:
         >>> transport = P2PTransport()  # doctest: +SKIP
@@ -244,6 +249,7 @@ class P2PTransport(Transport):
         ]
         self.device = device or torch.device("cpu")
         self.early_receives = self.packs = dist.get_backend(group) != "nccl"
+        self.wire = torch.device("cpu") if self.packs else self.device  # where messages live
         self.capacity: dict[tuple[int, int, int], int] = {}
         # sends not yet known to be taken, by (peer, channel, slot); buffers live until then
         self._pending: dict[tuple[int, int, int], list[tuple[dist.Work | None, Tensor]]] = {}
@@ -263,13 +269,13 @@ class P2PTransport(Transport):
     def send(self, dst: int, channel: int, message: Message) -> None:
         key = (dst, channel, message.microbatch)
         if message.error is not None:  # the text rides in the header: one message
-            self._isend(_error_header(message).view(torch.uint8).to(self.device), key, 2 * channel)
+            self._isend(_error_header(message).view(torch.uint8).to(self.wire), key, 2 * channel)
             return
         payload = list(message.tensors)
         fields, offsets = _encode(message, payload)
         total = fields[5]
         if total <= self.capacity.get(key, HEADER_BYTES):
-            buffer = torch.empty(total, dtype=torch.uint8, device=self.device)
+            buffer = torch.empty(total, dtype=torch.uint8, device=self.wire)
             buffer[: 8 * len(fields)].view(torch.int64).copy_(torch.tensor(fields))
             for tensor, offset in zip(payload, offsets):
                 if tensor is not None:
@@ -281,10 +287,10 @@ class P2PTransport(Transport):
         self.grow(key, total)
         header = torch.zeros(HEADER_SIZE, dtype=torch.int64)
         header[: len(fields)] = torch.tensor(fields)
-        self._isend(header.view(torch.uint8).to(self.device), key, 2 * channel)
+        self._isend(header.view(torch.uint8).to(self.wire), key, 2 * channel)
         for tensor in payload:
             if tensor is not None:
-                self._isend(tensor.detach().contiguous(), key, 2 * channel + 1)
+                self._isend(tensor.detach().to(self.wire).contiguous(), key, 2 * channel + 1)
 
     def recv(self, src: int, channel: int, slot: int = 0) -> PendingRecv:
         return _P2PRecv(self, src, channel, slot)

@@ -85,6 +85,10 @@ def _deliver(
     error: str | None,
 ) -> None:
     """Runs on the receiver: put one message into its mailbox."""
+    for device in {t.device for t in tensors if t is not None and t.is_cuda}:
+        # TensorPipe makes CUDA tensors ready on this RPC thread's current stream only; the
+        # pipeline reads them on its own stream, so wait until the data is there.
+        torch.cuda.current_stream(device).synchronize()
     for tensor, flag in zip(tensors, grads):
         if tensor is not None and flag:
             tensor.requires_grad_(True)
@@ -195,14 +199,24 @@ class RPCTransport(Transport):
 
 
 def device_maps(
-    rank: int, world_size: int, local_world_size: int, worker_map: Mapping[int, str]
+    rank: int,
+    world_size: int,
+    local_world_size: int,
+    worker_map: Mapping[int, str],
+    gpus: int | None = None,
 ) -> dict[str, dict[int, int]]:
-    """TensorPipe device maps so CUDA tensors go device to device: with one process per GPU,
-    rank ``r`` computes on GPU ``r % local_world_size`` of its node.
+    """TensorPipe device maps so CUDA tensors go device to device: rank ``r`` computes on GPU
+    ``(r % local_world_size) % gpus`` of its node (one process per GPU when ``gpus`` is
+    ``local_world_size``, the default; processes share GPUs when there are fewer).
 
     Example:
         >>> device_maps(0, 2, 2, {0: "worker0", 1: "worker1"})
         {'worker1': {0: 1}}
+        >>> device_maps(0, 2, 2, {0: "worker0", 1: "worker1"}, gpus=1)
+        {'worker1': {0: 0}}
     """
-    mine = rank % local_world_size
-    return {worker_map[r]: {mine: r % local_world_size} for r in range(world_size) if r != rank}
+    gpus = gpus or local_world_size
+    mine = rank % local_world_size % gpus
+    return {
+        worker_map[r]: {mine: r % local_world_size % gpus} for r in range(world_size) if r != rank
+    }
