@@ -105,8 +105,10 @@ class AsyncPipe(nn.Module):
         transport: ``"p2p"`` (torch.distributed send/recv), ``"rpc"``
             (torch.distributed.rpc; call ``asyncpipe.init(rpc=True)``) or a ``Transport``.
         timeout: seconds any wait for another rank may take before it fails naming that rank.
-        device: device of received tensors (default: CPU, or the current CUDA device with
-            NCCL).
+        device: where this rank computes and receives tensors (default: CPU, or the current
+            CUDA device with NCCL). On a CUDA device the rank's own layers are moved there in
+            place (the caller's layer objects stay the same) and the input and target are
+            moved there before they are split.
         autocast: ``torch.bfloat16`` or ``torch.float16`` to compute every stage under
             ``torch.autocast``; float16 adds a loss scale shared by every stage (an overflow
             on any stage drops the step's gradients everywhere and sets ``pipe.overflow``).
@@ -230,6 +232,8 @@ class AsyncPipe(nn.Module):
                 for layer, count in zip(built, uses)
             ]
         self.layers = nn.ModuleList(built)
+        if self.device.type == "cuda":
+            self.layers.to(self.device)  # in place: the caller's layer objects stay the same
         self.layer_names: list[str] = layer_names(module, len(layers))
         """The name of every position of the model, in order (``nn.Sequential`` keys, or
         ``"0"``, ``"1"``, ... for a list): the prefixes of :meth:`state_dict` keys."""
@@ -433,7 +437,10 @@ class AsyncPipe(nn.Module):
                 f"{'first' if what == 'input' else 'last'} layer; pass it there (other stages "
                 f"may pass None)"
             )
-        pieces = scatter(as_tensors(value, f"the {what}"), self.chunks, what)
+        tensors = as_tensors(value, f"the {what}")
+        if self.device.type == "cuda":
+            tensors = tuple(t.to(self.device) for t in tensors)
+        pieces = scatter(tensors, self.chunks, what)
         if microbatches is not None and len(pieces) != microbatches:
             raise ValueError(
                 f"the {what} splits into {len(pieces)} micro-batches but the input split into "

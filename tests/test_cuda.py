@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 from gloo_workers import transparency
-from models import mlp
+from models import mlp, reference
 from spawn import run_ranks
 from threads import run_threads, values
 from torch import nn
@@ -216,3 +216,24 @@ def test_rpc_cuda_tensors_are_ready_when_received() -> None:
     # TensorPipe fills a received CUDA tensor on a stream of its own: the transport must wait
     # for it before the pipeline (on its stream) reads the tensor.
     assert run_ranks(_rpc_cuda_messages, 2, timeout=300) == [[], []]
+
+
+@cuda
+def test_layers_and_batch_move_to_the_pipeline_device() -> None:
+    device = torch.device("cuda", 0)
+    model = mlp(4, width=16, seed=4)  # on the CPU
+    layers = list(model)
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    want_loss, want_grads = reference(model.to(device), x.to(device), y.to(device), 4, mse)
+    model.cpu()
+
+    def fn(rank: int, transport: Transport) -> float:
+        pipe = AsyncPipe(model, [2, 2], chunks=4, transport=transport, device=device)
+        return pipe.step(x, y, mse)  # a CPU batch
+
+    losses = values(run_threads(fn, 2))
+    assert list(model) == layers  # the same layer objects, now on the GPU
+    assert all(p.is_cuda for p in model.parameters())
+    assert losses == pytest.approx([want_loss] * 2, rel=1e-5)
+    for got, want in zip(model.parameters(), want_grads):
+        torch.testing.assert_close(got.grad, want)
