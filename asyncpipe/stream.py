@@ -94,6 +94,7 @@ class Stream:
         if self.previous is not None:
             loss = self._read_news()
         self._unread, self._status = posted, status
+        self._post(self.windows["steady"], {0: work}, only=0)
         self.runtime.transport.flush(self.runtime.timeout)
         self.previous = work
         self.batches += 1
@@ -146,6 +147,27 @@ class Stream:
         self.runtime.stop_agreed = any(row[2] for row in table)
         return sum(row[0] for row in table) / self.microbatches
 
+    def _post(
+        self, window: list[Action], batches: dict[int, Work | None], only: int | None = None
+    ) -> None:
+        """Post the receives of ``window`` not posted yet (of mini-batch ``only``, if given).
+
+        The end of a window posts the next one's receives for the mini-batch it leaves in
+        flight: a peer that sent it a gradient in its own window waits until that is taken
+        before it returns, so nothing between two steps (a barrier, a checkpoint) can wait on
+        a receive that nobody posted."""
+        transport, m = self.runtime.transport, self.microbatches
+        if not transport.early_receives:
+            return
+        for a in window:
+            batch = a.microbatch // m
+            if not a.kind.is_recv or (only is not None and batch != only):
+                continue
+            owner = batches[batch]
+            mine = Action(a.stage, a.kind, a.microbatch % m, a.peer)
+            if owner is not None and mine not in owner.pending:
+                owner.pending[mine] = transport.recv(*self.runtime.channel(mine), mine.microbatch)
+
     # ----- one window ----------------------------------------------------------------------
 
     def _run(
@@ -155,19 +177,14 @@ class Stream:
         ``batches[g // M]``. The previous mini-batch's gradient is taken after its last action
         (at once if it has none here)."""
         m = self.microbatches
-        runtime, transport = self.runtime, self.runtime.transport
+        runtime = self.runtime
         local = [(a, Action(a.stage, a.kind, a.microbatch % m, a.peer)) for a in window]
         stale = current - 1
         older = [n for n, (a, _) in enumerate(local) if a.microbatch // m == stale]
         take_at = older[-1] if older else -1
         if self.previous is not None and take_at < 0:
             self.versions.take_gradient()
-        if transport.early_receives:
-            for a, mine in local:
-                if a.kind.is_recv:
-                    work = batches[a.microbatch // m]
-                    assert work is not None
-                    work.pending[mine] = transport.recv(*runtime.channel(mine), mine.microbatch)
+        self._post(window, batches)
         start = time.perf_counter()
         events: list[tuple[str, float, float]] = []
         busy, peak = 0.0, 0
