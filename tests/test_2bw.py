@@ -177,3 +177,91 @@ def test_a_flush_in_the_middle_restarts_the_delayed_rule() -> None:
     got, pipes = run_two_bw([2, 2, 2, 2], 4, "except_last", 6, flush_after={2, 5})
     want, plain = delayed_reference(model(), batches(6), 4, {2, 5})
     assert_same(pipes, plain, got, want)
+
+
+def test_a_checkpoint_taken_after_flush_resumes_exactly() -> None:
+    plain, data = model(), batches(6)
+
+    def fn(rank: int, transport: Transport) -> tuple[list[float], list[float], bool]:
+        def build() -> tuple[AsyncPipe, torch.optim.Optimizer]:
+            pipe = AsyncPipe(
+                copy.deepcopy(plain), [2, 2, 2, 2], chunks=4, schedule="2bw", transport=transport
+            )
+            return pipe, adam(pipe.parameters())
+
+        pipe, opt = build()
+        first, saved = [], None
+        for t, (x, y) in enumerate(data):
+            first.append(pipe.step(x, y, mse, optimizer=opt))
+            if t == 2:
+                first.append(pipe.flush())
+                saved = copy.deepcopy((pipe.state_dict(), opt.state_dict()))
+        first.append(pipe.flush())
+        assert saved is not None
+        resumed, opt2 = build()
+        resumed.load_state_dict(saved[0])
+        opt2.load_state_dict(saved[1])
+        second = [resumed.step(x, y, mse, optimizer=opt2) for x, y in data[3:]]
+        second.append(resumed.flush())
+        same = all(torch.equal(a, b) for a, b in zip(pipe.parameters(), resumed.parameters()))
+        return first[4:], second, same
+
+    for first, second, same in values(run_threads(fn, 4)):
+        assert same
+        assert len(first) == len(second) == 4
+        assert math.isnan(first[0]) and math.isnan(second[0])
+        assert first[1:] == second[1:]
+
+
+def test_step_needs_the_optimizer_and_flush_drains_only_once() -> None:
+    plain, data = model(), batches(2)
+
+    def fn(rank: int, transport: Transport) -> list[float]:
+        pipe = AsyncPipe(plain, [4, 4], chunks=2, schedule="2bw", transport=transport)
+        with pytest.raises(TypeError, match="optimizer=optimizer"):
+            pipe.step(*data[0], mse)
+        opt = adam(pipe.parameters())
+        got = [pipe.step(*data[0], mse, optimizer=opt), pipe.flush(), pipe.flush()]
+        with pytest.raises(RuntimeError, match="inference only"):
+            pipe(data[0][0])
+        return got
+
+    for got in values(run_threads(fn, 2)):
+        assert math.isnan(got[0]) and not math.isnan(got[1]) and math.isnan(got[2])
+
+
+def test_options_2bw_cannot_run_with_fail_in_the_constructor() -> None:
+    def fn(rank: int, transport: Transport) -> None:
+        AsyncPipe(model(), [2, 2, 2, 2], chunks=2, schedule="2bw", transport=transport)
+
+    for status, error in run_threads(fn, 4):
+        assert status == "error" and "pass chunks=3" in str(error)
+
+
+def _gloo_worker(rank: int, world: int, policy: str, steps: int) -> tuple[list[float], dict]:
+    torch.set_num_threads(1)
+    pipe = AsyncPipe(model(), [8 // world] * world, chunks=4, checkpoint=policy, schedule="2bw")
+    opt = adam(pipe.parameters())
+    out = [pipe.step(x, y, mse, optimizer=opt) for x, y in batches(steps)]
+    torch.distributed.barrier()  # nothing in flight may wait on a receive across a barrier
+    out.append(pipe.flush())
+    return out, pipe.state_dict()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("world", "policy"), [(2, "never"), (4, "except_last")])
+def test_2bw_over_gloo_matches_the_delayed_update_reference(world: int, policy: str) -> None:
+    from tests.spawn import run_ranks
+
+    steps = 4
+    results = run_ranks(_gloo_worker, world, policy, steps, timeout=180)
+    want, plain = delayed_reference(model(), batches(steps), 4, {steps - 1})
+    state: dict[str, Tensor] = {}
+    for losses, part in results:
+        state.update(part)
+        assert all(
+            (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-5)
+            for a, b in zip(losses, want, strict=True)
+        )
+    for name, tensor in plain.state_dict().items():
+        torch.testing.assert_close(state[name], tensor, rtol=1e-5, atol=1e-6)
