@@ -265,3 +265,28 @@ def test_2bw_over_gloo_matches_the_delayed_update_reference(world: int, policy: 
         )
     for name, tensor in plain.state_dict().items():
         torch.testing.assert_close(state[name], tensor, rtol=1e-5, atol=1e-6)
+
+
+def test_memory_is_two_weight_versions_and_1f1b_activations() -> None:
+    plain, data = model(), batches(4, rows=16)
+
+    def fn(rank: int, transport: Transport) -> tuple[int, int, int, int]:
+        pipe = AsyncPipe(plain, [2, 2, 2, 2], chunks=8, schedule="2bw", transport=transport)
+        opt = adam(pipe.parameters())
+        peak = 0
+        for x, y in data:
+            pipe.step(x, y, mse, optimizer=opt)
+            assert pipe.last_step is not None
+            peak = max(peak, pipe.last_step.peak_activations)
+        stream = pipe._stream
+        assert stream is not None
+        stashed = sum(t.numel() for t in (stream.versions.stash or {}).values())
+        pipe.flush()
+        assert stream.versions.stash is None
+        params = sum(p.numel() * p.element_size() for p in pipe.parameters())
+        return peak, stream.versions.peak_versions, stashed, params
+
+    for rank, (peak, versions, stashed, params) in enumerate(values(run_threads(fn, 4))):
+        assert peak == 4 - rank  # as 1F1B: at most stages - rank micro-batches in flight
+        assert versions == (1 if rank == 3 else 2)  # the last stage never needs the stash
+        assert stashed == (0 if rank == 3 else params)
