@@ -26,6 +26,7 @@ from .runtime import Runtime
 from .schedule import Action, Kind, Plan
 from .shared import SharedWeights
 from .skip.routes import find_routes
+from .stream import Stream, check_two_bw_options
 from .trace import TraceWriter
 from .trace.recorder import Recorder
 from .transport import P2PTransport, Transport
@@ -295,6 +296,10 @@ class AsyncPipe(nn.Module):
             self._recorder = Recorder(
                 writer, transport, self.timeout, self.device, self._runtime.plan_for, config
             )
+        self._stream: Stream | None = None
+        if schedule == "2bw":
+            check_two_bw_options(self, shared_weights, trace)
+            self._stream = Stream(self._runtime, list(self.parameters()), len(segments), chunks)
         self._last_segment = len(segments) - 1
         self._first_rank = segments[0].stage
         self._last_rank = segments[-1].stage
@@ -425,8 +430,11 @@ class AsyncPipe(nn.Module):
             self._recorder.watch(optimizer, name)
 
     def close(self) -> None:
-        """Finish the trace (rank 0 writes the last step, the Chrome trace and the timeline
-        pictures); call it on every rank after the last step. Nothing to do when not tracing."""
+        """Drain the pipeline (see :meth:`flush`) and finish the trace (rank 0 writes the last
+        step, the Chrome trace and the timeline pictures); call it on every rank after the last
+        step."""
+        if self._stream is not None and self._stream.in_flight and self._broken is None:
+            self.flush()
         if self._recorder is not None:
             self._recorder.close(drain=self._broken is None)
 
@@ -479,7 +487,13 @@ class AsyncPipe(nn.Module):
 
         return prepare
 
-    def step(self, input: object, target: object, loss_fn: LossFn) -> float:
+    def step(
+        self,
+        input: object,
+        target: object,
+        loss_fn: LossFn,
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> float:
         """Forward and backward of one mini-batch through the whole pipeline.
 
         Call it on every rank with the same chunks. ``input`` (a tensor or tuple of tensors) is
@@ -489,8 +503,14 @@ class AsyncPipe(nn.Module):
         divided by the number of micro-batches before its backward, so the local parameters
         end up with the gradients of the mean micro-batch loss.
 
+        With ``optimizer`` (this rank's optimizer), the step ends with ``optimizer.step()``
+        and ``optimizer.zero_grad()``. ``schedule="2bw"`` needs it and differs (see
+        :doc:`/2bw`): the step runs one window of a pipeline that never drains, applies the
+        previous mini-batch's gradient at its end, and returns that mini-batch's loss (NaN
+        on the first step); :meth:`flush` drains the last one.
+
         Returns:
-            the mean micro-batch loss, on every rank.
+            the mean micro-batch loss, on every rank (of the previous mini-batch with 2BW).
 
         Raises:
             StageFailure: on every rank, if any stage failed (it names the stage, micro-batch
@@ -507,6 +527,8 @@ class AsyncPipe(nn.Module):
             )
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable (got {type(loss_fn).__name__})")
+        if self._stream is not None:
+            return self._two_bw_step(input, target, loss_fn, optimizer)
         before = self._shared.snapshot()
         work = self._run(self._prepare(input, target, loss_fn, train=True))
         if self._averager is not None:
@@ -519,7 +541,64 @@ class AsyncPipe(nn.Module):
             )
         loss = work.loss_sum / work.microbatches
         self._traced(work, loss)
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad()
         return loss
+
+    def _two_bw_step(
+        self, input: object, target: object, loss_fn: LossFn, optimizer: object
+    ) -> float:
+        assert self._stream is not None
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"schedule '2bw' applies each mini-batch's update itself, one step late: pass "
+                f"this rank's optimizer, pipe.step(x, y, loss_fn, optimizer=optimizer) (got "
+                f"{type(optimizer).__name__})"
+            )
+        self._guard()
+        try:
+            work, loss, report = self._stream.step(
+                self._prepare(input, target, loss_fn, train=True), optimizer
+            )
+        except BaseException as e:
+            self._broken = (
+                e
+                if isinstance(e, StageFailure)
+                else StageFailure(str(e), rank=self.stage, stage=-1, microbatch=-1, action="")
+            )
+            raise
+        if self.deferred_batch_norm:
+            commit_all(self.layers)
+        self.last_step = report
+        return loss
+
+    def flush(self) -> float:
+        """Drain the pipeline: with ``schedule="2bw"``, run the backwards the last mini-batch
+        still owes and apply its update, so the parameters hold every mini-batch's gradient and
+        nothing is in flight (call it on every rank at the end of training and before saving
+        a checkpoint). Other schedules never leave anything in flight.
+
+        Returns:
+            the mean loss of the mini-batch it drained, on every rank (NaN if none).
+
+        Example:
+            >>> for x, y in batches:                                     # doctest: +SKIP
+            ...     pipe.step(x, y, loss_fn, optimizer=optimizer)
+            >>> last_loss = pipe.flush()                                 # doctest: +SKIP
+        """
+        if self._stream is None or not self._stream.in_flight:
+            return float("nan")
+        self._guard()
+        try:
+            return self._stream.drain()
+        except BaseException as e:
+            self._broken = (
+                e
+                if isinstance(e, StageFailure)
+                else StageFailure(str(e), rank=self.stage, stage=-1, microbatch=-1, action="")
+            )
+            raise
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip the gradients of the whole pipeline by their norm over every stage.
@@ -555,6 +634,11 @@ class AsyncPipe(nn.Module):
             ... else:
             ...     pipe.back_helper(out)
         """
+        if self._stream is not None and (self._stream.in_flight or self.training):
+            raise RuntimeError(
+                "with schedule '2bw', train with pipe.step(x, y, loss_fn, optimizer=...); "
+                "pipe(input) runs inference only, in eval() mode after pipe.flush()"
+            )
         if self._pending is not None:
             raise RuntimeError(
                 "the previous forward still waits for its backward: call backward() on the "
