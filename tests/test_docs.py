@@ -1,0 +1,190 @@
+"""Every code example in the docs and the README runs, as its tag says (see tests/docblocks.py).
+
+``python -m pytest tests/test_docs.py -rs`` lists the blocks that are not run and why;
+``python tests/docblocks.py`` lists every block and how it runs.
+"""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import os
+import pkgutil
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from docblocks import ROOT, Block, DocError, blocks, pages
+from spawn import free_port
+
+PYTHON_TIMEOUT = 180
+TORCHRUN_TIMEOUT = 240
+
+
+def _collect() -> list[object]:
+    params: list[object] = []
+    for page in pages():
+        try:
+            found = blocks(page)
+        except DocError:
+            continue  # reported by test_every_code_block_is_tagged
+        for block in found:
+            if not block.mode:
+                continue  # text: a diagram, a plan or printed output
+            marks = [pytest.mark.slow] if block.mode == "torchrun" else []
+            params.append(pytest.param(block, id=block.name, marks=marks))
+    return params
+
+
+def test_every_code_block_is_tagged() -> None:
+    problems = []
+    for page in pages():
+        try:
+            blocks(page)
+        except DocError as e:
+            problems.append(str(e))
+    assert not problems, "\n".join(problems)
+
+
+def _workdir(block: Block, tmp_path: Path) -> Path:
+    for name, text in block.files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    for name in ("examples", "benchmarks"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    return tmp_path
+
+
+def _env() -> dict[str, str]:
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", MPLBACKEND="Agg")
+
+
+def _run(command: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        command, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def _check(block: Block, result: subprocess.CompletedProcess[str]) -> None:
+    assert result.returncode == 0, (
+        f"{block.name} ({block.mode} {block.argument}) exited with {result.returncode}\n"
+        f"--- stdout\n{result.stdout[-4000:]}\n--- stderr\n{_clip(result.stderr)}"
+    )
+
+
+def _clip(text: str, keep: int = 4000) -> str:
+    """The start and the end of a long output (a failing rank's traceback comes first, the
+    launcher's summary last)."""
+    return text if len(text) <= 2 * keep else f"{text[:keep]}\n[...]\n{text[-keep:]}"
+
+
+def _run_console(block: Block, cwd: Path) -> None:
+    """Run each ``$ command`` and compare its output (stdout and stderr) with the lines that
+    follow it, ignoring trailing spaces."""
+    commands: list[tuple[str, list[str]]] = []
+    for line in block.text.splitlines():
+        if line.startswith("$ "):
+            commands.append((line[2:], []))
+        elif commands:
+            commands[-1][1].append(line.rstrip())
+    assert commands, f"{block.name}: a console block needs '$ ' command lines"
+    for command, expected in commands:
+        result = subprocess.run(
+            ["bash", "-c", command],
+            cwd=cwd,
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=PYTHON_TIMEOUT,
+        )
+        got = [ln.rstrip() for ln in result.stdout.rstrip("\n").splitlines()]
+        want = "\n".join(expected).rstrip("\n")
+        assert "\n".join(got) == want, (
+            f"{block.name}: `{command}` printed (exit status {result.returncode}):\n"
+            + "\n".join(got)
+            + f"\n--- the docs say:\n{want}"
+        )
+
+
+@pytest.mark.parametrize("block", _collect())
+def test_doc_block(block: Block, tmp_path: Path) -> None:
+    if block.mode == "skip":
+        pytest.skip(f"not run: {block.argument}")
+    if block.mode == "file":
+        pytest.skip(f"written as {block.argument} for the blocks after it")
+    cwd = _workdir(block, tmp_path)
+    if block.mode == "python":
+        (cwd / "example.py").write_text(block.script())
+        _check(block, _run([sys.executable, "example.py"], cwd, PYTHON_TIMEOUT))
+    elif block.mode == "torchrun":
+        (cwd / "example.py").write_text(block.script())
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
+            f"--nproc-per-node={block.processes()}", "--master-addr=127.0.0.1",
+            f"--master-port={free_port()}", "example.py",
+        ]  # fmt: skip
+        _check(block, _run(command, cwd, TORCHRUN_TIMEOUT))
+    elif block.mode == "shell":
+        _check(block, _run(["bash", "-euo", "pipefail", "-c", block.text], cwd, PYTHON_TIMEOUT))
+    elif block.mode == "console":
+        _run_console(block, cwd)
+    elif block.mode == "doctest":
+        _run_doctest(block, cwd)
+    else:  # pragma: no cover - _parse_tag accepts only the modes above
+        raise AssertionError(block.mode)
+
+
+def _run_doctest(block: Block, cwd: Path) -> None:
+    parser = doctest.DocTestParser()
+    test = parser.get_doctest(block.setup + block.text, {}, block.name, block.page, block.line)
+    runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
+    here = Path.cwd()
+    os.chdir(cwd)
+    try:
+        out: list[str] = []
+        runner.run(test, out=out.append)
+    finally:
+        os.chdir(here)
+    assert runner.failures == 0, "".join(out)
+
+
+def _modules() -> list[str]:
+    import asyncpipe
+
+    names = ["asyncpipe"]
+    for info in pkgutil.walk_packages(asyncpipe.__path__, "asyncpipe."):
+        if not re.search(r"\.__main__$", info.name):
+            names.append(info.name)
+    return names
+
+
+def test_docstring_examples() -> None:
+    """The ``>>>`` examples in the library's docstrings (those not marked ``+SKIP``)."""
+    finder = doctest.DocTestFinder()
+    runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
+    out: list[str] = []
+    for name in _modules():
+        module = importlib.import_module(name)
+        for test in finder.find(module, name):
+            runner.run(test, out=out.append)
+    assert runner.failures == 0, "".join(out)
+    assert runner.tries > 20, runner.tries
+
+
+def test_schedule_pictures_are_current(tmp_path: Path) -> None:
+    """The timelines in docs/_static are what the command on the schedules page draws today."""
+    (block,) = [b for b in blocks(ROOT / "docs" / "schedules.md") if "docs/_static/" in b.text]
+    command = block.text.replace("docs/_static/", f"{tmp_path}/")
+    _check(block, _run(["bash", "-euo", "pipefail", "-c", command], tmp_path, PYTHON_TIMEOUT))
+    drawn = sorted(p.name for p in tmp_path.glob("*.svg"))
+    assert len(drawn) == 4, drawn
+    stale = [
+        name
+        for name in drawn
+        if (tmp_path / name).read_bytes() != (ROOT / "docs" / "_static" / name).read_bytes()
+    ]
+    assert not stale, f"redraw {stale} with the command at {block.name}"
