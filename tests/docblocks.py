@@ -15,8 +15,10 @@ The first word is the mode, the rest its argument:
 ``file NAME``     write the block to ``NAME`` for the later blocks of the same page
 ``skip REASON``   not run; the reason is listed by the test
 
-``continue`` after ``python`` or ``torchrun N`` runs the page's previous runnable block first, in
-the same process (a page can build an example up over several blocks). Lines after the tag in
+``needs=MODULE`` anywhere in the tag skips the block (saying why) where ``MODULE`` does not
+import: for examples of other libraries. ``continue`` after ``python`` or ``torchrun N`` runs
+the page's previous runnable block first, in the same process (a page can build an example up
+over several blocks). Lines after the tag in
 the same comment (indented in reStructuredText) are setup code run before the block and not
 shown in the docs. Every block runs in a fresh directory of its own, where the page's earlier
 ``file`` blocks have been written and ``examples`` and ``benchmarks`` of the repository are
@@ -65,6 +67,7 @@ class Block:
     setup: str = ""
     previous: Block | None = None
     files: dict[str, str] = field(default_factory=dict)
+    needs: list[str] = field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -84,8 +87,10 @@ class Block:
         return int(self.argument.split()[0]) if self.mode == "torchrun" else 1
 
 
-def _parse_tag(tag: str, where: str) -> tuple[str, str, bool]:
+def _parse_tag(tag: str, where: str) -> tuple[str, str, bool, list[str]]:
     words = tag.split()
+    needs = [w.removeprefix("needs=") for w in words if w.startswith("needs=")]
+    words = [w for w in words if not w.startswith("needs=")]
     if not words or words[0] not in MODES:
         raise DocError(f"{where}: a test tag starts with one of {', '.join(MODES)} (got {tag!r})")
     mode, rest = words[0], words[1:]
@@ -97,7 +102,7 @@ def _parse_tag(tag: str, where: str) -> tuple[str, str, bool]:
         raise DocError(f"{where}: 'torchrun' needs a number of processes, e.g. 'torchrun 2'")
     if mode in ("file", "skip") and not argument:
         raise DocError(f"{where}: '{mode}' needs an argument (a file name or a reason)")
-    return mode, argument, follow
+    return mode, argument, follow, needs
 
 
 def _dedent(lines: list[str]) -> str:
@@ -220,7 +225,7 @@ def blocks(page: Path) -> list[Block]:
             result.append(block)
             continue
         try:
-            block.mode, block.argument, follow = _parse_tag(tag, block.name)
+            block.mode, block.argument, follow, block.needs = _parse_tag(tag, block.name)
         except DocError as e:
             problems.append(str(e))
             continue
@@ -249,7 +254,7 @@ def main() -> int:
             status = 1
             continue
         for block in found:
-            how = f"{block.mode} {block.argument}".strip() or f"not run ({block.language or 'text'})"
+            how = f"{block.mode} {block.argument}".strip() or f"not run ({block.language})"
             print(f"{block.name:32} {how}")
     return status
 

@@ -24,7 +24,9 @@ TORCHRUN_TIMEOUT = 240
 
 
 def _collect() -> list[object]:
-    params: list[object] = []
+    """One test per block that has a mode; blocks that run the same code (the front page's
+    example is also the README's) run once, under the names of all of them."""
+    same: dict[tuple[str, ...], list[Block]] = {}
     for page in pages():
         try:
             found = blocks(page)
@@ -33,8 +35,14 @@ def _collect() -> list[object]:
         for block in found:
             if not block.mode:
                 continue  # text: a diagram, a plan or printed output
-            marks = [pytest.mark.slow] if block.mode == "torchrun" else []
-            params.append(pytest.param(block, id=block.name, marks=marks))
+            key = (block.mode, block.argument, block.script(), repr(sorted(block.files.items())))
+            same.setdefault(key if block.runs else (block.name,), []).append(block)
+    params: list[object] = []
+    for group in same.values():
+        block = group[0]
+        marks = [pytest.mark.slow] if block.mode == "torchrun" else []
+        name = " + ".join(b.name for b in group)
+        params.append(pytest.param(block, id=name, marks=marks))
     return params
 
 
@@ -116,6 +124,8 @@ def test_doc_block(block: Block, tmp_path: Path) -> None:
         pytest.skip(f"not run: {block.argument}")
     if block.mode == "file":
         pytest.skip(f"written as {block.argument} for the blocks after it")
+    for module in block.needs:
+        pytest.importorskip(module, reason=f"an example of {module}, which is not installed")
     cwd = _workdir(block, tmp_path)
     if block.mode == "python":
         (cwd / "example.py").write_text(block.script())
