@@ -6,18 +6,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import doctest
 import importlib
+import io
 import os
 import pkgutil
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from docblocks import ROOT, Block, DocError, blocks, pages
-from spawn import free_port
+from launch import run_processes
 
 PYTHON_TIMEOUT = 180
 TORCHRUN_TIMEOUT = 240
@@ -83,6 +86,38 @@ def _check(block: Block, result: subprocess.CompletedProcess[str]) -> None:
     )
 
 
+def _run_ranks(block: Block, cwd: Path) -> None:
+    """Start the script as every rank of a gloo job on loopback, with the environment torchrun
+    gives its workers (without torchrun's own agent process, which would cost one more
+    interpreter start per example); every rank must exit with status 0 within the timeout."""
+    here = Path.cwd()
+    os.chdir(cwd)
+    try:
+        with _environ(_env()):
+            ended = run_processes("example.py", block.processes(), timeout=TORCHRUN_TIMEOUT)
+    finally:
+        os.chdir(here)
+    failed = [e for e in ended if e.code != 0]
+    assert not failed, "\n".join(
+        f"{block.name} ({block.mode} {block.argument}): rank {e.rank} "
+        + ("did not finish" if e.code is None else f"exited with {e.code}")
+        + f"\n--- stdout\n{e.stdout[-2000:]}\n--- stderr\n{_clip(e.stderr)}"
+        for e in failed
+    )
+
+
+@contextlib.contextmanager
+def _environ(env: dict[str, str]) -> Iterator[None]:
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 def _clip(text: str, keep: int = 4000) -> str:
     """The start and the end of a long output (a failing rank's traceback comes first, the
     launcher's summary last)."""
@@ -132,12 +167,7 @@ def test_doc_block(block: Block, tmp_path: Path) -> None:
         _check(block, _run([sys.executable, "example.py"], cwd, PYTHON_TIMEOUT))
     elif block.mode == "torchrun":
         (cwd / "example.py").write_text(block.script())
-        command = [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
-            f"--nproc-per-node={block.processes()}", "--master-addr=127.0.0.1",
-            f"--master-port={free_port()}", "example.py",
-        ]  # fmt: skip
-        _check(block, _run(command, cwd, TORCHRUN_TIMEOUT))
+        _run_ranks(block, cwd)
     elif block.mode == "shell":
         _check(block, _run(["bash", "-euo", "pipefail", "-c", block.text], cwd, PYTHON_TIMEOUT))
     elif block.mode == "console":
@@ -186,15 +216,26 @@ def test_docstring_examples() -> None:
 
 
 def test_schedule_pictures_are_current(tmp_path: Path) -> None:
-    """The timelines in docs/_static are what the command on the schedules page draws today."""
+    """The timelines in docs/_static are what the command on the schedules page draws today.
+
+    The block is run by bash with ``python`` standing for a function that records its
+    arguments; the recorded ``python -m asyncpipe.schedule`` calls then run in this process.
+    """
+    from asyncpipe.schedule.__main__ import main
+
     (block,) = [b for b in blocks(ROOT / "docs" / "schedules.md") if "docs/_static/" in b.text]
-    command = block.text.replace("docs/_static/", f"{tmp_path}/")
+    record = 'python() { printf "%s\\0" "$@" >> calls; printf "\\n" >> calls; }\n'
+    command = record + block.text.replace("docs/_static/", f"{tmp_path}/")
     _check(block, _run(["bash", "-euo", "pipefail", "-c", command], tmp_path, PYTHON_TIMEOUT))
-    drawn = sorted(p.name for p in tmp_path.glob("*.svg"))
-    assert len(drawn) == 4, drawn
+    calls = [c.strip("\0").split("\0") for c in (tmp_path / "calls").read_text().split("\0\n")]
+    calls = [c for c in calls if c != [""]]
+    assert len(calls) == 4 and all(c[:2] == ["-m", "asyncpipe.schedule"] for c in calls), calls
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert all(main(c[2:]) == 0 for c in calls)
     stale = [
-        name
-        for name in drawn
-        if (tmp_path / name).read_bytes() != (ROOT / "docs" / "_static" / name).read_bytes()
+        path.name
+        for path in sorted(tmp_path.glob("*.svg"))
+        if path.read_bytes() != (ROOT / "docs" / "_static" / path.name).read_bytes()
     ]
+    assert len(list(tmp_path.glob("*.svg"))) == 4
     assert not stale, f"redraw {stale} with the command at {block.name}"
