@@ -8,7 +8,8 @@ A code block is tagged by a comment right before it (blank lines between are all
 The first word is the mode, the rest its argument:
 
 ``python``        run the block as a script in a fresh process
-``torchrun N``    run it as a script on N processes under torchrun (gloo on loopback)
+``torchrun N``    run it as a script on N processes with torchrun's environment (gloo on
+                  loopback), forked from one interpreter that has imported torch
 ``doctest``       run its ``>>>`` lines with :mod:`doctest` and compare their output
 ``console``       run each ``$ command`` line and compare its output with the lines below it
 ``shell``         run the block with bash; it must exit with status 0

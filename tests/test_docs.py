@@ -10,17 +10,16 @@ import contextlib
 import doctest
 import importlib
 import io
+import json
 import os
 import pkgutil
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from docblocks import ROOT, Block, DocError, blocks, pages
-from launch import run_processes
 
 PYTHON_TIMEOUT = 180
 TORCHRUN_TIMEOUT = 240
@@ -87,35 +86,22 @@ def _check(block: Block, result: subprocess.CompletedProcess[str]) -> None:
 
 
 def _run_ranks(block: Block, cwd: Path) -> None:
-    """Start the script as every rank of a gloo job on loopback, with the environment torchrun
-    gives its workers (without torchrun's own agent process, which would cost one more
-    interpreter start per example); every rank must exit with status 0 within the timeout."""
-    here = Path.cwd()
-    os.chdir(cwd)
-    try:
-        with _environ(_env()):
-            ended = run_processes("example.py", block.processes(), timeout=TORCHRUN_TIMEOUT)
-    finally:
-        os.chdir(here)
-    failed = [e for e in ended if e.code != 0]
+    """Run the script as every rank of a gloo job on loopback, with the environment torchrun
+    gives its workers; the ranks are forked from one interpreter that has imported torch
+    (tests/forkrun.py), which saves an interpreter start per rank. Every rank must exit with
+    status 0 within the timeout."""
+    command = [sys.executable, str(ROOT / "tests" / "forkrun.py"), str(block.processes())]
+    result = _run([*command, str(TORCHRUN_TIMEOUT), "example.py"], cwd, TORCHRUN_TIMEOUT + 30)
+    _check(block, result)
+    codes = json.loads(result.stdout.splitlines()[-1])
+    failed = [(rank, code) for rank, code in enumerate(codes) if code != 0]
     assert not failed, "\n".join(
-        f"{block.name} ({block.mode} {block.argument}): rank {e.rank} "
-        + ("did not finish" if e.code is None else f"exited with {e.code}")
-        + f"\n--- stdout\n{e.stdout[-2000:]}\n--- stderr\n{_clip(e.stderr)}"
-        for e in failed
+        f"{block.name} ({block.mode} {block.argument}): rank {rank} "
+        + ("did not finish" if code is None else f"exited with {code}")
+        + f"\n--- stdout\n{(cwd / f'rank{rank}.out').read_text()[-2000:]}"
+        + f"\n--- stderr\n{_clip((cwd / f'rank{rank}.err').read_text())}"
+        for rank, code in failed
     )
-
-
-@contextlib.contextmanager
-def _environ(env: dict[str, str]) -> Iterator[None]:
-    saved = dict(os.environ)
-    os.environ.clear()
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 def _clip(text: str, keep: int = 4000) -> str:
