@@ -202,10 +202,10 @@ def pages() -> list[Path]:
     return [*sorted(docs.glob("*.md")), *sorted(docs.glob("*.rst")), ROOT / "README.md"]
 
 
-def blocks(page: Path) -> list[Block]:
+def blocks(page: Path, root: Path = ROOT) -> list[Block]:
     """The code blocks of one page with their tags; raise :class:`DocError` listing every
-    block that is not tagged or tagged wrongly."""
-    name = str(page.relative_to(ROOT))
+    block that is not tagged or tagged wrongly. Blocks are named by their path from ``root``."""
+    name = str(page.relative_to(root))
     lines = page.read_text().splitlines()
     raw = _markdown(name, lines) if page.suffix == ".md" else _rst(name, lines)
     problems: list[str] = []

@@ -225,3 +225,72 @@ def test_schedule_pictures_are_current(tmp_path: Path) -> None:
     ]
     assert len(list(tmp_path.glob("*.svg"))) == 4
     assert not stale, f"redraw {stale} with the command at {block.name}"
+
+
+def _page(tmp_path: Path, name: str, text: str) -> list[Block]:
+    page = tmp_path / name
+    page.write_text(text)
+    return blocks(page, root=tmp_path)
+
+
+def test_tags_setup_and_continue_are_read(tmp_path: Path) -> None:
+    md = _page(
+        tmp_path,
+        "page.md",
+        "<!-- test: file plan.txt -->\n```text\nrank 0: 0F0 0B0\n```\n\n"
+        "<!-- test: torchrun 2\nimport torch\n-->\n```python\nx = 1\n```\n\n"
+        "<!-- test: torchrun 2 continue needs=fairscale -->\n```python\ny = x\n```\n"
+        "```text\na diagram\n```\n",
+    )
+    assert [(b.mode, b.argument) for b in md] == [
+        ("file", "plan.txt"),
+        ("torchrun", "2"),
+        ("torchrun", "2"),
+        ("", ""),
+    ]
+    assert md[1].setup == "import torch\n" and md[1].files == {"plan.txt": "rank 0: 0F0 0B0\n"}
+    assert md[2].script().split() == ["import", "torch", "x", "=", "1", "y", "=", "x"]
+    assert md[2].needs == ["fairscale"] and md[2].processes() == 2
+    rst = _page(
+        tmp_path,
+        "page.rst",
+        "Title\n=====\n\n.. test: python\n   import os\n\n.. code-block:: python\n\n"
+        "   print(os.sep)\n\n.. code-block:: text\n\n   a diagram\n",
+    )
+    assert [(b.mode, b.setup, b.text) for b in rst] == [
+        ("python", "import os\n", "print(os.sep)\n"),
+        ("", "", "a diagram\n"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "problem"),
+    [
+        ("a.md", "```python\nx = 1\n```\n", "without a test tag"),
+        ("a.md", "<!-- test: run -->\n```python\nx = 1\n```\n", "starts with one of"),
+        ("a.md", "<!-- test: torchrun -->\n```python\nx = 1\n```\n", "number of processes"),
+        ("a.md", "<!-- test: skip -->\n```bash\nls\n```\n", "needs an argument"),
+        ("a.md", "<!-- test: python -->\ntext\n```python\nx = 1\n```\n", "right before"),
+        ("a.rst", "Some code::\n\n   x = 1\n", "literal block"),
+        ("a.rst", ".. code-block:: console\n\n   $ ls\n", "without a test tag"),
+    ],
+)
+def test_untagged_or_badly_tagged_blocks_are_refused(
+    tmp_path: Path, name: str, text: str, problem: str
+) -> None:
+    with pytest.raises(DocError, match=problem):
+        _page(tmp_path, name, text)
+
+
+@pytest.mark.slow
+def test_rank_runner_reports_failed_and_hung_ranks(tmp_path: Path) -> None:
+    (tmp_path / "job.py").write_text(
+        "import os, sys, time\n"
+        "rank = int(os.environ['RANK'])\n"
+        "if rank == 2:\n    time.sleep(60)\n"
+        "sys.exit(3 if rank == 1 else 0)\n"
+    )
+    command = [sys.executable, str(ROOT / "tests" / "forkrun.py"), "3", "4", "job.py"]
+    result = _run(command, tmp_path, 60)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.splitlines()[-1]) == [0, 3, None]
