@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MODES = ("python", "torchrun", "doctest", "console", "shell", "file", "skip")
 CODE_LANGUAGES = {"python", "py", "pycon", "bash", "sh", "shell", "console", "sh-session"}
 TEXT_LANGUAGES = {"", "text", "none", "output"}
+DIRECTIVES = {"include"}  # MyST directives written as fences (``{include}``): not code
 
 _MD_FENCE = re.compile(r"^(\s*)(```+|~~~+)\s*\{?([\w+-]*)\}?\s*(.*)$")
 _MD_TAG = re.compile(r"^\s*<!--\s*test:\s*(.*?)\s*(-->)?\s*$")
@@ -221,7 +222,7 @@ def blocks(page: Path, root: Path = ROOT) -> list[Block]:
                     f"{block.name}: a {block.language} block without a test tag; put "
                     f"'<!-- test: MODE -->' (Markdown) or '.. test: MODE' (reST) before it"
                 )
-            elif block.language not in TEXT_LANGUAGES:
+            elif block.language not in TEXT_LANGUAGES | DIRECTIVES:
                 problems.append(f"{block.name}: unknown language {block.language!r}")
             result.append(block)
             continue
