@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from .gpipe import _load, _machine, _read_records, _revision, replace_section
 from .launch import LaunchResult, launch
+from .peers import FAIRSCALE
 from .schedule_worker import ASYNCPIPE, PEERS, SYSTEMS
 from .workload import FEATURES, SHAPES, LayerCosts, calibrate_layer
 
@@ -47,6 +48,7 @@ LABELS = {
     "torch-interleaved": "ScheduleInterleaved1F1B (2 stages/rank)",
     "torch-zero_bubble": "ScheduleInterleavedZeroBubble (1 stage/rank)",
     "torch-zbv": "ScheduleZBVZeroBubble (2 stages/rank, V)",
+    **FAIRSCALE,
 }
 """How each system shows in the tables."""
 
@@ -252,7 +254,15 @@ def _hops(runs: list[dict[str, Any]]) -> list[float]:
 def _worker_args(
     args: argparse.Namespace, entries: str, shape: str, out: Path, memory: bool
 ) -> list[str]:
-    return ["--memory"] * memory + [
+    # Options only the suite (python -m benchmarks) sets: memory sampled in timing runs too,
+    # the transport and device of asyncpipe's systems, fairscale Pipe's partitions.
+    sample = memory or getattr(args, "sample_memory", False)
+    extra = [
+        "--transport", getattr(args, "transport", "p2p"),
+        "--device", getattr(args, "device", "cpu"),
+        "--pipe-stages", str(getattr(args, "pipe_stages", args.ranks)),
+    ]  # fmt: skip
+    return ["--memory"] * sample + extra + [
         "--entries", entries,
         "--f-ms", str(args.f_ms),
         "--micro-batch", str(args.micro_batch),
@@ -302,7 +312,7 @@ def run_entries(
             args.ranks,
             timeout_s,
             out,
-            extra_env=MEMORY_ENV if memory else None,
+            extra_env=MEMORY_ENV if memory or getattr(args, "sample_memory", False) else None,
         )
         print(
             f"  group of {len(remaining)} entries: {result.seconds:.1f} s wall, "
