@@ -38,7 +38,7 @@ def fairscale_asyncpipe_step(
     """fairscale's ``AsyncPipe`` on every rank of the default group, RPC workers named
     ``worker<rank>`` (asyncpipe's names: call ``asyncpipe.init(rpc=True)`` first), fill-drain,
     no checkpointing."""
-    from fairscale.nn.model_parallel import (  # type: ignore[import-not-found]
+    from fairscale.nn.model_parallel.initialize import (  # type: ignore[import-not-found]
         initialize_model_parallel,
         model_parallel_is_initialized,
     )

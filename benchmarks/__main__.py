@@ -1,0 +1,250 @@
+"""``python -m benchmarks``: the whole suite on this machine, written into docs/."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import shlex
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import gpt, suite
+from .gpipe import _load, _machine, _revision, replace_section
+from .gpu import placement
+from .launch import REPO_ROOT
+from .peers import fairscale_version
+from .schedules import MEMORY_HEADER, MemoryRow, memory_cells
+from .suite_report import (
+    REFERENCE_HEADER,
+    SUMMARY_HEADER,
+    markdown_table,
+    plot,
+    reference_cells,
+    summary_cells,
+    text_table,
+)
+from .transports import bandwidth_table
+from .workload import calibrate_layer
+
+__all__: list[str] = []
+
+DOC = REPO_ROOT / "docs" / "benchmark_suite.md"
+STATIC = REPO_ROOT / "docs" / "_static"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description="Run the benchmark suite: every asyncpipe schedule over p2p and rpc against "
+        "torch.distributed.pipelining and fairscale on the reference workload, peak memory, "
+        "activation bandwidth and the GPT model; print the tables and write them (and a bar "
+        "chart) into docs/.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--quick", action="store_true", help="4 stages, chunks 8, few steps")
+    parser.add_argument("--only", default=",".join(suite.PARTS), help="parts to run")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--stages", default=None, help="pipeline ranks (default 2,4)")
+    parser.add_argument("--chunks", default=None, help="micro-batches (default 4,8,16)")
+    parser.add_argument("--f-ms", type=float, default=5.0, help="forward sleep per layer (ms)")
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 6)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps (default 2)")
+    parser.add_argument("--messages", type=int, default=None, help="bandwidth messages")
+    parser.add_argument("--markdown", type=Path, default=DOC, help="page to write the results in")
+    parser.add_argument("--plot", type=Path, default=None, help="bar chart (PNG)")
+    parser.add_argument("--no-write", action="store_true", help="print only; leave docs alone")
+    parser.add_argument("--json", type=Path, default=None, help="write every number here")
+    parser.add_argument("--keep-logs", type=Path, default=None, help="keep worker files here")
+    args = parser.parse_args(argv)
+    args.parts = [p for p in args.only.split(",") if p]
+    unknown = [p for p in args.parts if p not in suite.PARTS]
+    if unknown:
+        parser.error(f"unknown parts {unknown}; choose from {', '.join(suite.PARTS)}")
+    args.device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
+    args.device = "cpu" if args.device == "auto" else args.device
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch.cuda.is_available() is False on this machine")
+    quick = args.quick
+    args.stage_list = [int(s) for s in (args.stages or ("4" if quick else "2,4")).split(",")]
+    args.chunk_list = [int(c) for c in (args.chunks or ("8" if quick else "4,8,16")).split(",")]
+    args.steps = args.steps or (3 if quick else 6)
+    args.warmup = args.warmup if args.warmup is not None else (1 if quick else 2)
+    args.messages = args.messages or (60 if quick else 300)
+    args.layers = 8
+    if any(8 % (2 * s) for s in args.stage_list):
+        parser.error("--stages: each must divide 4 (8 layers, interleaved with 2 per rank)")
+    args.plot = args.plot or STATIC / f"benchmark_suite_{args.device}.png"
+    return args
+
+
+def _markers(device: str) -> tuple[str, str]:
+    return (
+        f"<!-- begin: python -m benchmarks device={device} (generated; rerun to update) -->",
+        f"<!-- end: python -m benchmarks device={device} -->",
+    )
+
+
+def _relative(path: Path, page: Path) -> str:
+    try:
+        return path.resolve().relative_to(page.resolve().parent).as_posix()
+    except ValueError:
+        return path.as_posix()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    started = time.monotonic()
+    where = placement(args.device, max(args.stage_list), rank=0)
+    device_line = where.describe(max(args.stage_list))
+    print(f"device: {device_line}", file=sys.stderr)
+    costs = calibrate_layer(args.f_ms, args.micro_batch, "small")
+    load_before = _load()
+    rows: list[suite.SuiteRow] = []
+    memory: list[MemoryRow] = []
+    bandwidth: dict[str, Any] = {}
+    gpt_results: list[dict[str, Any]] = []
+    notes: list[str] = [f"fairscale: {fairscale_version()}"]
+    with tempfile.TemporaryDirectory(prefix="asyncpipe-suite-") as tmp:
+        work = args.keep_logs or Path(tmp)
+        if "reference" in args.parts:
+            rows = suite.run_reference(args, costs, work, where.staged)
+        if "memory" in args.parts:
+            memory = suite.run_memory(args, costs, work)
+        if "bandwidth" in args.parts:
+            try:
+                bandwidth = suite.run_bandwidth(args)
+            except RuntimeError as exc:
+                notes.append(f"bandwidth: {exc}")
+        if "gpt" in args.parts:
+            gpt_args = gpt.parse_args(["--device", args.device, *(["--quick"] * args.quick)])
+            gpt_results = gpt.run_systems(gpt_args)
+    notes.append(
+        f"Load average before the runs: {load_before}; after: {_load()} (other work on the "
+        f"machine inflates the step times)"
+    )
+    seconds = time.monotonic() - started
+    command = shlex.join(["python", "-m", "benchmarks", *argv])
+    meta = [
+        f"Date: {datetime.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')}",
+        f"Machine: {_machine()}",
+        f"Device: {device_line}",
+        f"asyncpipe: commit {_revision()}",
+        f"Command: `{command}` ({seconds / 60:.1f} min)",
+        f"Reference workload: 8 layers, F = {args.f_ms:g} ms, micro-batch {args.micro_batch}, "
+        f"activations ({args.micro_batch}, 1024), {args.warmup} warm-up + {args.steps} timed "
+        f'steps per entry, checkpoint="never"; calibrated per layer: forward '
+        f"{costs.forward_s * 1e3:.2f} ms, backward {costs.backward_s * 1e3:.2f} ms, B "
+        f"{costs.input_s * 1e3:.2f} ms, W {costs.weight_s * 1e3:.2f} ms",
+    ]
+    _print(meta, rows, memory, bandwidth, gpt_results, notes)
+    if args.json is not None:
+        payload = {
+            "meta": meta,
+            "rows": [dict(asdict(r), vs_simulated=r.vs_simulated) for r in rows],
+            "memory": [asdict(m) for m in memory],
+            "bandwidth": bandwidth,
+            "gpt": gpt_results,
+            "notes": notes,
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+    if not args.no_write:
+        picture = plot(rows, args.plot, f"asyncpipe and peers: {device_line}") if rows else None
+        section = _section(args, meta, rows, memory, bandwidth, gpt_results, notes, picture)
+        begin, end = _markers(args.device)
+        replace_section(args.markdown, section, begin, end, "# Benchmark suite\n")
+        print(f"wrote {args.markdown}" + (f" and {picture}" if picture else ""))
+    return 0
+
+
+def _print(
+    meta: list[str],
+    rows: list[suite.SuiteRow],
+    memory: list[MemoryRow],
+    bandwidth: dict[str, Any],
+    gpt_results: list[dict[str, Any]],
+    notes: list[str],
+) -> None:
+    print("\n".join(meta))
+    if rows:
+        print(text_table(REFERENCE_HEADER, reference_cells(rows)))
+        print("\nEach peer against asyncpipe's same kind of schedule:")
+        print(text_table(SUMMARY_HEADER, summary_cells(rows)))
+    if memory:
+        print("\nMemory, shape (4, 256, 1024), chunks 8, largest stage count:")
+        print(text_table(MEMORY_HEADER, memory_cells(memory)))
+    if bandwidth:
+        print(f"\nActivation bandwidth, 2 processes, {bandwidth['tensors']} tensors:")
+        print(bandwidth_table(bandwidth["bandwidth"], bandwidth["micro_batch"]))
+    if gpt_results:
+        print("\n" + gpt.table(gpt_results))
+    print("\n".join(notes))
+
+
+def _section(
+    args: argparse.Namespace,
+    meta: list[str],
+    rows: list[suite.SuiteRow],
+    memory: list[MemoryRow],
+    bandwidth: dict[str, Any],
+    gpt_results: list[dict[str, Any]],
+    notes: list[str],
+    picture: Path | None,
+) -> str:
+    begin, end = _markers(args.device)
+    title = "GPU" if args.device == "cuda" else "CPU"
+    body = [begin, f"## Results on the {title}", "", *(f"- {line}" for line in meta), ""]
+    if rows:
+        body += [
+            "### Reference workload: every schedule, transport and peer",
+            "",
+            markdown_table(REFERENCE_HEADER, reference_cells(rows)),
+            "",
+        ]
+        if picture is not None:
+            body += [f"![step time / simulated ideal]({_relative(picture, args.markdown)})", ""]
+        body += [
+            "### Each peer against asyncpipe",
+            "",
+            markdown_table(SUMMARY_HEADER, summary_cells(rows)),
+            "",
+        ]
+    if memory:
+        body += [
+            f"### Memory: activations (4, 256, 1024), chunks 8, {max(args.stage_list)} stages",
+            "",
+            markdown_table(MEMORY_HEADER, memory_cells(memory)),
+            "",
+        ]
+    if bandwidth:
+        body += [
+            f"### Activation bandwidth: 2 processes, {bandwidth['tensors']} tensors",
+            "",
+            bandwidth_table(bandwidth["bandwidth"], bandwidth["micro_batch"]),
+            "",
+        ]
+    if gpt_results:
+        gpt_args = gpt.parse_args(["--device", args.device, *(["--quick"] * args.quick)])
+        body += [
+            "### GPT model: training tokens per second",
+            "",
+            gpt.describe(gpt_args, gpt_results),
+            "",
+            gpt.table(gpt_results),
+            "",
+        ]
+    body += [*(f"- {line}" for line in notes), end]
+    return "\n".join(body)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
