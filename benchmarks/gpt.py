@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .gpu import SHARED_GPU_PEERS, HostStaged, Placement, placement, synchronize
+from .gpu import SHARED_GPU_PEERS, Placement, placement, synchronize
 from .launch import REPO_ROOT, launch_workers
 from .worker import write_record
 from .workload import stage_module
@@ -68,18 +68,13 @@ def _pipeline_step(
     rank = dist.get_rank()
     if system == "asyncpipe":
         import asyncpipe
-        from asyncpipe.transport import P2PTransport, Transport
 
-        transport: str | Transport = "p2p"
-        if where.staged:
-            transport = HostStaged(P2PTransport(), where.device)
         pipe = asyncpipe.AsyncPipe(
             model,
             balance,
             chunks=args.chunks,
             checkpoint="never",
             schedule=args.schedule,
-            transport=transport,
             device=where.device,
         )
 

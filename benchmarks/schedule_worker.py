@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .gpu import HostStaged, Placement, placement, synchronize
+from .gpu import Placement, placement, synchronize
 from .peers import FAIRSCALE, fairscale_asyncpipe_step, fairscale_pipe_step
 from .worker import StepFn, _breakdown, _loss, write_record
 from .workload import BUSY, RSS, build_model, make_batch
@@ -84,12 +84,8 @@ def _asyncpipe_step(
     where: Placement,
 ) -> StepFn:
     import asyncpipe
-    from asyncpipe.transport import P2PTransport, RPCTransport, Transport
 
     stages = _stage_count(system, ranks, virtual)
-    carrier: str | Transport = transport
-    if where.staged:
-        carrier = HostStaged(P2PTransport() if transport == "p2p" else RPCTransport(), where.device)
     pipe = asyncpipe.AsyncPipe(
         model,
         balance=[len(model) // stages] * stages,
@@ -98,7 +94,7 @@ def _asyncpipe_step(
         schedule=ASYNCPIPE[system],
         virtual_stages=stages // ranks,
         timeout=timeout_s,
-        transport=carrier,
+        transport=transport,
         device=where.device,
     )
 

@@ -124,7 +124,12 @@ def run_reference(
         for n, (transport, systems, ranks) in enumerate(groups):
             print(f"{stages} stages, {transport}: {', '.join(systems)}", file=sys.stderr)
             sub = _schedule_args(
-                args, stages, system_list=systems, transport=transport, ranks=ranks
+                args,
+                stages,
+                system_list=systems,
+                transport=transport,
+                ranks=ranks,
+                timeout=_timeout(args, stages, len(systems)),
             )
             rows = schedules.run_timing(sub, costs, work / f"{stages}-{n}")
             # Now the peers' recorded plans are known: simulate them too.
@@ -139,6 +144,16 @@ def run_reference(
         _peer_ideals(found)
         out += found
     return out
+
+
+def _timeout(args: argparse.Namespace, stages: int, systems: int) -> float:
+    """Seconds before a group is killed: 5 times the nominal GPipe time of all its steps (a
+    shared machine can be that slow) plus start-up, or the one-process time for one rank."""
+    per_layer = 3 * args.f_ms / 1000
+    steps = args.warmup + args.steps
+    total = sum((c + stages - 1) * per_layer * args.layers / stages for c in args.chunk_list)
+    serial = sum(c * per_layer * args.layers for c in args.chunk_list)
+    return 180.0 + 5.0 * steps * systems * max(total, serial / stages)
 
 
 def _peer_ideals(rows: list[SuiteRow]) -> None:

@@ -170,9 +170,9 @@ def plot(rows: list[SuiteRow], path: Path, title: str) -> Path | None:
     if not done or not keys:
         return None
     top = max(2.0, max(r.vs_simulated or 0.0 for r in done) * 1.05)
-    panel_w, panel_h, left, legend_w = 640, 360, 56, 330
-    width = left + len(stage_list) * (panel_w + 20) + legend_w
-    height = panel_h + 110
+    panel_w, panel_h, left, gap, legend_w = 640, 360, 56, 64, 340
+    width = left + len(stage_list) * (panel_w + gap) + legend_w
+    height = panel_h + 130
     image = Image.new("RGB", (width, height), "white")
     draw = ImageDraw.Draw(image)
     font = ImageFont.load_default()
@@ -183,7 +183,7 @@ def plot(rows: list[SuiteRow], path: Path, title: str) -> Path | None:
         return y1 - (min(value, top) / top) * (y1 - y0)
 
     for p, stages in enumerate(stage_list):
-        x0 = left + p * (panel_w + 20)
+        x0 = left + p * (panel_w + gap)
         draw.rectangle((x0, y0, x0 + panel_w, y1), outline="black")
         tick = 0.0
         while tick <= top:
@@ -191,9 +191,6 @@ def plot(rows: list[SuiteRow], path: Path, title: str) -> Path | None:
             draw.line((x0 - 4, y, x0, y), fill="black")
             draw.text((x0 - 36, y - 6), f"{tick:.1f}x", fill="black", font=font)
             tick += 0.5
-        one = y_of(1.0)
-        for x in range(x0, x0 + panel_w, 8):  # the ideal, dashed
-            draw.line((x, one, x + 4, one), fill=(120, 120, 120))
         group_w = panel_w / len(chunk_list)
         bar_w = max(2.0, (group_w - 16) / len(keys))
         for g, chunks in enumerate(chunk_list):
@@ -209,14 +206,18 @@ def plot(rows: list[SuiteRow], path: Path, title: str) -> Path | None:
                 color = _COLORS[k % len(_COLORS)]
                 draw.rectangle((bx, y_of(row.vs_simulated), bx + bar_w - 1, y1), fill=color)
             draw.text((gx + group_w / 2 - 30, y1 + 6), f"chunks {chunks}", fill="black", font=font)
+        one = y_of(1.0)
+        for x in range(x0, x0 + panel_w, 8):  # the ideal, dashed, over the bars
+            draw.line((x, one, x + 4, one), fill="black")
         draw.text((x0 + panel_w / 2 - 40, y1 + 26), f"{stages} stages", fill="black", font=font)
     draw.text((left, y1 + 50), "bar: step time / simulated ideal (dashed: 1.0)", fill="black")
-    lx = left + len(stage_list) * (panel_w + 20) + 10
+    lx = left + len(stage_list) * (panel_w + gap) - gap + 20
     for k, key in enumerate(keys):
         row = next(r for r in rows if r.key == key)
         y = y0 + k * 18
         draw.rectangle((lx, y, lx + 12, y + 12), fill=_COLORS[k % len(_COLORS)])
-        draw.text((lx + 18, y), f"{_label(row)} ({row.transport})", fill="black", font=font)
+        link = "" if row.transport == "-" else f" ({row.transport})"
+        draw.text((lx + 18, y), f"{_label(row)}{link}", fill="black", font=font)
     path.parent.mkdir(parents=True, exist_ok=True)
     image.save(path)
     return path

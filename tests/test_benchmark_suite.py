@@ -1,4 +1,4 @@
-"""The benchmark suite's pieces: tables and chart on made-up results, host staging, placement."""
+"""The benchmark suite's pieces: tables and chart on made-up results, placement, options."""
 
 from __future__ import annotations
 
@@ -9,13 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncpipe.transport import Message, PendingRecv, Transport
-
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.__main__ import parse_args  # noqa: E402
-from benchmarks.gpu import SHARED_GPU_PEERS, HostStaged, placement  # noqa: E402
+from benchmarks.gpu import SHARED_GPU_PEERS, placement  # noqa: E402
 from benchmarks.suite import SuiteRow  # noqa: E402
 from benchmarks.suite_report import (  # noqa: E402
     REFERENCE_HEADER,
@@ -78,43 +76,6 @@ def test_plot_draws_a_png_per_stage_count(tmp_path: Path) -> None:
     with Image.open(path) as image:
         assert image.size[0] > 2 * 640 and image.size[1] > 360
     assert plot([SuiteRow(4, 8, "torch-1f1b", "gloo", error="x")], tmp_path / "n.png", "") is None
-
-
-class _Mailbox(Transport):
-    """Keeps what is sent; a receive returns the last message."""
-
-    rank, world_size = 0, 2
-
-    def __init__(self) -> None:
-        self.sent: list[Message] = []
-
-    def send(self, dst: int, channel: int, message: Message) -> None:
-        self.sent.append(message)
-
-    def recv(self, src: int, channel: int, slot: int = 0) -> PendingRecv:
-        box = self
-
-        class _Recv(PendingRecv):
-            def wait(self, timeout: float) -> Message:
-                return box.sent[-1]
-
-        return _Recv()
-
-    def flush(self, timeout: float) -> None:
-        pass
-
-
-def test_host_staging_keeps_values_and_requires_grad() -> None:
-    inner = _Mailbox()
-    staged = HostStaged(inner, torch.device("cpu"))
-    x = torch.randn(3, 4, requires_grad=True)
-    staged.send(1, 0, Message(2, 8, (x * 2, None, torch.arange(3))))
-    got = staged.recv(1, 0, 2).wait(1.0)
-    assert got.microbatch == 2 and got.microbatches == 8 and got.tensors[1] is None
-    first, _, ids = got.tensors
-    assert first is not None and ids is not None
-    assert first.requires_grad and first.is_leaf and torch.equal(first, (x * 2).detach())
-    assert not ids.requires_grad and torch.equal(ids, torch.arange(3))
 
 
 def test_placement_of_the_cpu_and_of_a_missing_gpu() -> None:
