@@ -182,6 +182,8 @@ def run_system(args: argparse.Namespace, system: str) -> dict[str, Any]:
     threads = max(1, (os.cpu_count() or 1) // world)
     argv = [*args.argv, "--system", system, "--threads", str(threads)]
     tokens = args.batch * args.seq_len
+    if system == "torch" and placement(args.device, world, rank=0).staged:
+        return {"system": system, "error": SHARED_GPU_PEERS, "tokens": tokens}
     try:
         records = launch_workers("benchmarks.gpt", argv, world, world, timeout_s=args.timeout)
     except RuntimeError as exc:
@@ -258,7 +260,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--stages", type=int, default=4, help="pipeline processes")
     parser.add_argument("--chunks", type=int, default=8, help="micro-batches per step")
     parser.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b")
-    parser.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu")
+    parser.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0, help="per system, seconds")

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .gpipe import replace_section
-from .gpu import placement
+from .gpu import placement, synchronize
 from .launch import launch_workers
 from .peers import fairscale_asyncpipe_step
 from .worker import _loss, timed_steps, write_record
@@ -100,7 +100,9 @@ def _bandwidth(
         if n + SLOTS < messages:
             pending[n + SLOTS] = post(n + SLOTS)
         if n == 0:
+            synchronize(device)  # an NCCL wait only orders the GPU's stream
             start = time.perf_counter()
+    synchronize(device)
     seconds = time.perf_counter() - start
     dist.barrier()
     return seconds
