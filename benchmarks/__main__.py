@@ -9,7 +9,7 @@ import shlex
 import sys
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +85,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+@dataclass
+class Results:
+    """Everything one run of the suite measured."""
+
+    meta: list[str] = field(default_factory=list)
+    rows: list[suite.SuiteRow] = field(default_factory=list)
+    memory: list[MemoryRow] = field(default_factory=list)
+    bandwidth: dict[str, Any] = field(default_factory=dict)
+    gpt: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
 def _markers(device: str) -> tuple[str, str]:
     return (
         f"<!-- begin: python -m benchmarks device={device} (generated; rerun to update) -->",
@@ -108,32 +120,28 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device: {device_line}", file=sys.stderr)
     costs = calibrate_layer(args.f_ms, args.micro_batch, "small")
     load_before = _load()
-    rows: list[suite.SuiteRow] = []
-    memory: list[MemoryRow] = []
-    bandwidth: dict[str, Any] = {}
-    gpt_results: list[dict[str, Any]] = []
-    notes: list[str] = [f"fairscale: {fairscale_version()}"]
+    out = Results(notes=[f"fairscale: {fairscale_version()}"])
     with tempfile.TemporaryDirectory(prefix="asyncpipe-suite-") as tmp:
         work = args.keep_logs or Path(tmp)
         if "reference" in args.parts:
-            rows = suite.run_reference(args, costs, work, where.staged)
+            out.rows = suite.run_reference(args, costs, work, where.staged)
         if "memory" in args.parts:
-            memory = suite.run_memory(args, costs, work)
+            out.memory = suite.run_memory(args, costs, work)
         if "bandwidth" in args.parts:
             try:
-                bandwidth = suite.run_bandwidth(args)
+                out.bandwidth = suite.run_bandwidth(args)
             except RuntimeError as exc:
-                notes.append(f"bandwidth: {exc}")
+                out.notes.append(f"bandwidth: {exc}")
         if "gpt" in args.parts:
             gpt_args = gpt.parse_args(["--device", args.device, *(["--quick"] * args.quick)])
-            gpt_results = gpt.run_systems(gpt_args)
-    notes.append(
+            out.gpt = gpt.run_systems(gpt_args)
+    out.notes.append(
         f"Load average before the runs: {load_before}; after: {_load()} (other work on the "
         f"machine inflates the step times)"
     )
     seconds = time.monotonic() - started
     command = shlex.join(["python", "-m", "benchmarks", *argv])
-    meta = [
+    out.meta = [
         f"Date: {datetime.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')}",
         f"Machine: {_machine()}",
         f"Device: {device_line}",
@@ -145,104 +153,80 @@ def main(argv: list[str] | None = None) -> int:
         f"{costs.forward_s * 1e3:.2f} ms, backward {costs.backward_s * 1e3:.2f} ms, B "
         f"{costs.input_s * 1e3:.2f} ms, W {costs.weight_s * 1e3:.2f} ms",
     ]
-    _print(meta, rows, memory, bandwidth, gpt_results, notes)
+    _print(out)
     if args.json is not None:
         payload = {
-            "meta": meta,
-            "rows": [dict(asdict(r), vs_simulated=r.vs_simulated) for r in rows],
-            "memory": [asdict(m) for m in memory],
-            "bandwidth": bandwidth,
-            "gpt": gpt_results,
-            "notes": notes,
+            **asdict(out),
+            "rows": [dict(asdict(r), vs_simulated=r.vs_simulated) for r in out.rows],
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(payload, indent=2) + "\n")
     if not args.no_write:
-        picture = plot(rows, args.plot, f"asyncpipe and peers: {device_line}") if rows else None
-        section = _section(args, meta, rows, memory, bandwidth, gpt_results, notes, picture)
+        picture = None
+        if out.rows:
+            picture = plot(out.rows, args.plot, f"asyncpipe and peers: {device_line}")
+        section = _section(args, out, picture)
         begin, end = _markers(args.device)
         replace_section(args.markdown, section, begin, end, "# Benchmark suite\n")
         print(f"wrote {args.markdown}" + (f" and {picture}" if picture else ""))
     return 0
 
 
-def _print(
-    meta: list[str],
-    rows: list[suite.SuiteRow],
-    memory: list[MemoryRow],
-    bandwidth: dict[str, Any],
-    gpt_results: list[dict[str, Any]],
-    notes: list[str],
-) -> None:
-    print("\n".join(meta))
-    if rows:
-        print(text_table(REFERENCE_HEADER, reference_cells(rows)))
+def _print(out: Results) -> None:
+    print("\n".join(out.meta))
+    if out.rows:
+        print(text_table(REFERENCE_HEADER, reference_cells(out.rows)))
         print("\nEach peer against asyncpipe's same kind of schedule:")
-        print(text_table(SUMMARY_HEADER, summary_cells(rows)))
-    if memory:
+        print(text_table(SUMMARY_HEADER, summary_cells(out.rows)))
+    if out.memory:
         print("\nMemory, shape (4, 256, 1024), chunks 8, largest stage count:")
-        print(text_table(MEMORY_HEADER, memory_cells(memory)))
-    if bandwidth:
-        print(f"\nActivation bandwidth, 2 processes, {bandwidth['tensors']} tensors:")
-        print(bandwidth_table(bandwidth["bandwidth"], bandwidth["micro_batch"]))
-    if gpt_results:
-        print("\n" + gpt.table(gpt_results))
-    print("\n".join(notes))
+        print(text_table(MEMORY_HEADER, memory_cells(out.memory)))
+    if out.bandwidth:
+        print(f"\nActivation bandwidth, 2 processes, {out.bandwidth['tensors']} tensors:")
+        print(bandwidth_table(out.bandwidth["bandwidth"], out.bandwidth["micro_batch"]))
+    if out.gpt:
+        print("\n" + gpt.table(out.gpt))
+    print("\n".join(out.notes))
 
 
-def _section(
-    args: argparse.Namespace,
-    meta: list[str],
-    rows: list[suite.SuiteRow],
-    memory: list[MemoryRow],
-    bandwidth: dict[str, Any],
-    gpt_results: list[dict[str, Any]],
-    notes: list[str],
-    picture: Path | None,
-) -> str:
+def _section(args: argparse.Namespace, out: Results, picture: Path | None) -> str:
     begin, end = _markers(args.device)
     title = "GPU" if args.device == "cuda" else "CPU"
-    body = [begin, f"## Results on the {title}", "", *(f"- {line}" for line in meta), ""]
-    if rows:
-        body += [
-            "### Reference workload: every schedule, transport and peer",
-            "",
-            markdown_table(REFERENCE_HEADER, reference_cells(rows)),
-            "",
-        ]
+    body = [begin, f"## Results on the {title}", "", *(f"- {line}" for line in out.meta), ""]
+
+    def part(heading: str, *blocks: str) -> None:
+        body.extend([f"### {heading}", ""])
+        for block in blocks:
+            body.extend([block, ""])
+
+    if out.rows:
+        charts = []
         if picture is not None:
-            body += [f"![step time / simulated ideal]({_relative(picture, args.markdown)})", ""]
-        body += [
-            "### Each peer against asyncpipe",
-            "",
-            markdown_table(SUMMARY_HEADER, summary_cells(rows)),
-            "",
-        ]
-    if memory:
-        body += [
-            f"### Memory: activations (4, 256, 1024), chunks 8, {max(args.stage_list)} stages",
-            "",
-            markdown_table(MEMORY_HEADER, memory_cells(memory)),
-            "",
-        ]
-    if bandwidth:
-        body += [
-            f"### Activation bandwidth: 2 processes, {bandwidth['tensors']} tensors",
-            "",
-            bandwidth_table(bandwidth["bandwidth"], bandwidth["micro_batch"]),
-            "",
-        ]
-    if gpt_results:
+            charts.append(f"![step time / simulated ideal]({_relative(picture, args.markdown)})")
+        part(
+            "Reference workload: every schedule, transport and peer",
+            markdown_table(REFERENCE_HEADER, reference_cells(out.rows)),
+            *charts,
+        )
+        part("Each peer against asyncpipe", markdown_table(SUMMARY_HEADER, summary_cells(out.rows)))
+    if out.memory:
+        part(
+            f"Memory: activations (4, 256, 1024), chunks 8, {max(args.stage_list)} stages",
+            markdown_table(MEMORY_HEADER, memory_cells(out.memory)),
+        )
+    if out.bandwidth:
+        part(
+            f"Activation bandwidth: 2 processes, {out.bandwidth['tensors']} tensors",
+            bandwidth_table(out.bandwidth["bandwidth"], out.bandwidth["micro_batch"]),
+        )
+    if out.gpt:
         gpt_args = gpt.parse_args(["--device", args.device, *(["--quick"] * args.quick)])
-        body += [
-            "### GPT model: training tokens per second",
-            "",
-            gpt.describe(gpt_args, gpt_results),
-            "",
-            gpt.table(gpt_results),
-            "",
-        ]
-    body += [*(f"- {line}" for line in notes), end]
+        part(
+            "GPT model: training tokens per second",
+            gpt.describe(gpt_args, out.gpt),
+            gpt.table(out.gpt),
+        )
+    body += [*(f"- {line}" for line in out.notes), end]
     return "\n".join(body)
 
 

@@ -12,7 +12,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.__main__ import parse_args  # noqa: E402
+from benchmarks.__main__ import Results, _section, parse_args  # noqa: E402
 from benchmarks.gpu import SHARED_GPU_PEERS, placement  # noqa: E402
 from benchmarks.suite import SuiteRow  # noqa: E402
 from benchmarks.suite_report import (  # noqa: E402
@@ -95,6 +95,18 @@ def test_quick_options() -> None:
     assert full.stage_list == [2, 4] and full.chunk_list == [4, 8, 16]
     with pytest.raises(SystemExit):
         parse_args(["--only", "nothing"])
+
+
+def test_section_names_the_device_and_carries_every_part(tmp_path: Path) -> None:
+    args = parse_args(["--device", "cpu", "--markdown", str(tmp_path / "page.md")])
+    chart = tmp_path / "_static" / "chart.png"
+    out = Results(meta=["Device: CPU"], rows=_rows(), notes=["fairscale: 0.4.13"])
+    text = _section(args, out, chart)
+    assert text.startswith("<!-- begin: python -m benchmarks device=cpu")
+    assert text.rstrip().endswith("<!-- end: python -m benchmarks device=cpu -->")
+    assert "## Results on the CPU" in text and "(_static/chart.png)" in text
+    assert "### Each peer against asyncpipe" in text and "- fairscale: 0.4.13" in text
+    assert "GPT model" not in text and "(_static" not in _section(args, out, None)
 
 
 @pytest.mark.slow
