@@ -133,8 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             except RuntimeError as exc:
                 out.notes.append(f"bandwidth: {exc}")
         if "gpt" in args.parts:
-            gpt_args = gpt.parse_args(["--device", args.device, *(["--quick"] * args.quick)])
-            out.gpt = gpt.run_systems(gpt_args)
+            out.gpt = gpt.run_systems(suite.gpt_options(args))
     out.notes.append(
         f"Load average before the runs: {load_before}; after: {_load()} (other work on the "
         f"machine inflates the step times)"
@@ -220,10 +219,9 @@ def _section(args: argparse.Namespace, out: Results, picture: Path | None) -> st
             bandwidth_table(out.bandwidth["bandwidth"], out.bandwidth["micro_batch"]),
         )
     if out.gpt:
-        gpt_args = gpt.parse_args(["--device", args.device, *(["--quick"] * args.quick)])
         part(
             "GPT model: training tokens per second",
-            gpt.describe(gpt_args, out.gpt),
+            gpt.describe(suite.gpt_options(args), out.gpt),
             gpt.table(out.gpt),
         )
     body += [*(f"- {line}" for line in out.notes), end]

@@ -16,7 +16,15 @@ from .peers import FAIRSCALE
 from .schedule_worker import ASYNCPIPE, PEERS
 from .workload import LayerCosts
 
-__all__ = ["PARTS", "SuiteRow", "run_bandwidth", "run_memory", "run_reference"]
+__all__ = [
+    "LINKS",
+    "PARTS",
+    "SuiteRow",
+    "gpt_options",
+    "run_bandwidth",
+    "run_memory",
+    "run_reference",
+]
 
 PARTS = ("reference", "memory", "bandwidth", "gpt")
 """What the suite runs: the reference workload's step times for every system, peak memory of
@@ -166,7 +174,9 @@ def _peer_ideals(rows: list[SuiteRow]) -> None:
             row.simulated_s = gpipe.get(row.chunks)
 
 
-def run_memory(args: argparse.Namespace, costs: LayerCosts, work: Path) -> list[Any]:
+def run_memory(
+    args: argparse.Namespace, costs: LayerCosts, work: Path
+) -> list[schedules.MemoryRow]:
     """asyncpipe's schedules one at a time on the transfer-heavy shape: peak memory per rank."""
     stages = max(args.stage_list)
     sub = _schedule_args(args, stages, memory_list=list(ASYNCPIPE), sample_memory=False)
@@ -180,8 +190,6 @@ def run_bandwidth(args: argparse.Namespace) -> dict[str, Any]:
     return dict(records[1], micro_batch=8)
 
 
-def run_gpt(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The GPT model: tokens per second of asyncpipe, torch.distributed.pipelining and one
-    process (see :mod:`benchmarks.gpt`)."""
-    sub = gpt.parse_args(["--device", args.device, *(["--quick"] if args.quick else [])])
-    return gpt.run_systems(sub)
+def gpt_options(args: argparse.Namespace) -> argparse.Namespace:
+    """The options of :mod:`benchmarks.gpt` for this run: its full or quick size, this device."""
+    return gpt.parse_args(["--device", args.device, *(["--quick"] if args.quick else [])])
