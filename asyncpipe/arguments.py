@@ -182,6 +182,8 @@ def plan_factory(
             )
         return lambda m: build("interleaved", ranks, m, virtual_stages)
     _one_block_per_rank(str(schedule), owners, ranks)
+    if schedule == "2bw":  # one mini-batch on its own (the stream runs 2BW's windows)
+        return lambda m: build("1f1b", ranks, m)
     name = str(schedule)
     return lambda m: build(name, ranks, m)
 

@@ -95,8 +95,7 @@ class Compute:
         if not isinstance(loss, Tensor) or loss.numel() != 1:
             shape = tuple(loss.shape) if isinstance(loss, Tensor) else ""
             raise TypeError(
-                f"loss_fn must return a tensor with one element (got "
-                f"{type(loss).__name__}{shape})"
+                f"loss_fn must return a tensor with one element (got {type(loss).__name__}{shape})"
             )
         return loss
 

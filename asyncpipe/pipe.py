@@ -6,7 +6,6 @@ import contextlib
 import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,62 +16,26 @@ from .balance.auto import auto_balance
 from .batchnorm import DeferredBatchNorm, commit_all
 from .failure import MismatchedBatch, StageFailure, StepReport
 from .lazy import LazyModule
-from .microbatch import Tensors, as_tensors, gather, scatter
+from .manual import ManualBackward
+from .microbatch import Tensors, as_tensors, scatter
 from .names import layer_names, rename_loaded, rename_missing, rename_saved
 from .parallel import GradientAverager, connect
 from .partition import Partition, Segment, partition
 from .precision import LossScaler, clip_norm
 from .runtime import Runtime
-from .schedule import Action, Kind, Plan
+from .schedule import Action, Plan
 from .shared import SharedWeights
 from .skip.routes import find_routes
+from .stream import Stream, check_two_bw_options
 from .trace import TraceWriter
 from .trace.recorder import Recorder
 from .transport import P2PTransport, Transport
-from .work import LossFn, Work, unwrap
+from .work import LossFn, Work
 
 __all__: list[str] = []
 
-_FORWARD_KINDS = (Kind.FORWARD, Kind.SEND_F, Kind.RECV_F)
 
-
-def _is_forward(action: Action) -> bool:
-    return action.kind in _FORWARD_KINDS
-
-
-def _is_backward(action: Action) -> bool:
-    return action.kind not in _FORWARD_KINDS
-
-
-class _GatherOutputs(torch.autograd.Function):
-    """Joins the last stage's micro-batch outputs; its backward runs the rest of the plan.
-
-    The outputs enter detached, with a phony tensor that asks for gradients, so autograd stops
-    here and the runtime back-propagates each micro-batch itself::
-
-        outputs[0..M-1] ──cat──> output ──user's loss──> loss
-        loss.backward() ──> split grads ──> runtime runs 1B0..1B(M-1), sends grads upstream
-    """
-
-    @staticmethod
-    def forward(
-        ctx: Any, pipe: AsyncPipe, sizes: list[int], phony: Tensor, *outputs: Tensor
-    ) -> Any:
-        ctx.pipe, ctx.sizes = pipe, sizes
-        return tuple(o.detach().clone() for o in outputs)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Tensor) -> Any:
-        pipe: AsyncPipe = ctx.pipe
-        split = [torch.split(g, ctx.sizes) if g is not None else None for g in grads]
-        per_mb: list[tuple[Tensor | None, ...]] = [
-            tuple(None if s is None else s[i] for s in split) for i in range(len(ctx.sizes))
-        ]
-        pipe._backward_phase(per_mb)
-        return (None, None, None) + (None,) * len(grads)
-
-
-class AsyncPipe(nn.Module):
+class AsyncPipe(ManualBackward, nn.Module):
     """One rank's part of a model split into pipeline stages that run in separate processes.
 
     Every process of the pipeline builds ``AsyncPipe`` with the same arguments; each keeps only
@@ -295,6 +258,10 @@ class AsyncPipe(nn.Module):
             self._recorder = Recorder(
                 writer, transport, self.timeout, self.device, self._runtime.plan_for, config
             )
+        self._stream: Stream | None = None
+        if schedule == "2bw":
+            check_two_bw_options(self, shared_weights, trace)
+            self._stream = Stream(self._runtime, list(self.parameters()), len(segments), chunks)
         self._last_segment = len(segments) - 1
         self._first_rank = segments[0].stage
         self._last_rank = segments[-1].stage
@@ -425,8 +392,11 @@ class AsyncPipe(nn.Module):
             self._recorder.watch(optimizer, name)
 
     def close(self) -> None:
-        """Finish the trace (rank 0 writes the last step, the Chrome trace and the timeline
-        pictures); call it on every rank after the last step. Nothing to do when not tracing."""
+        """Drain the pipeline (see :meth:`flush`) and finish the trace (rank 0 writes the last
+        step, the Chrome trace and the timeline pictures); call it on every rank after the last
+        step."""
+        if self._stream is not None and self._stream.in_flight and self._broken is None:
+            self.flush()
         if self._recorder is not None:
             self._recorder.close(drain=self._broken is None)
 
@@ -479,7 +449,13 @@ class AsyncPipe(nn.Module):
 
         return prepare
 
-    def step(self, input: object, target: object, loss_fn: LossFn) -> float:
+    def step(
+        self,
+        input: object,
+        target: object,
+        loss_fn: LossFn,
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> float:
         """Forward and backward of one mini-batch through the whole pipeline.
 
         Call it on every rank with the same chunks. ``input`` (a tensor or tuple of tensors) is
@@ -489,8 +465,14 @@ class AsyncPipe(nn.Module):
         divided by the number of micro-batches before its backward, so the local parameters
         end up with the gradients of the mean micro-batch loss.
 
+        With ``optimizer`` (this rank's optimizer), the step ends with ``optimizer.step()``
+        and ``optimizer.zero_grad()``. ``schedule="2bw"`` needs it and differs (see
+        :doc:`/2bw`): the step runs one window of a pipeline that never drains, applies the
+        previous mini-batch's gradient at its end, and returns that mini-batch's loss (NaN
+        on the first step); :meth:`flush` drains the last one.
+
         Returns:
-            the mean micro-batch loss, on every rank.
+            the mean micro-batch loss, on every rank (of the previous mini-batch with 2BW).
 
         Raises:
             StageFailure: on every rank, if any stage failed (it names the stage, micro-batch
@@ -507,6 +489,8 @@ class AsyncPipe(nn.Module):
             )
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable (got {type(loss_fn).__name__})")
+        if self._stream is not None:
+            return self._two_bw_step(input, target, loss_fn, optimizer)
         before = self._shared.snapshot()
         work = self._run(self._prepare(input, target, loss_fn, train=True))
         if self._averager is not None:
@@ -519,7 +503,64 @@ class AsyncPipe(nn.Module):
             )
         loss = work.loss_sum / work.microbatches
         self._traced(work, loss)
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad()
         return loss
+
+    def _two_bw_step(
+        self, input: object, target: object, loss_fn: LossFn, optimizer: object
+    ) -> float:
+        assert self._stream is not None
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"schedule '2bw' applies each mini-batch's update itself, one step late: pass "
+                f"this rank's optimizer, pipe.step(x, y, loss_fn, optimizer=optimizer) (got "
+                f"{type(optimizer).__name__})"
+            )
+        self._guard()
+        try:
+            work, loss, report = self._stream.step(
+                self._prepare(input, target, loss_fn, train=True), optimizer
+            )
+        except BaseException as e:
+            self._broken = (
+                e
+                if isinstance(e, StageFailure)
+                else StageFailure(str(e), rank=self.stage, stage=-1, microbatch=-1, action="")
+            )
+            raise
+        if self.deferred_batch_norm:
+            commit_all(self.layers)
+        self.last_step = report
+        return loss
+
+    def flush(self) -> float:
+        """Drain the pipeline: with ``schedule="2bw"``, run the backwards the last mini-batch
+        still owes and apply its update, so the parameters hold every mini-batch's gradient and
+        nothing is in flight (call it on every rank at the end of training and before saving
+        a checkpoint). Other schedules never leave anything in flight.
+
+        Returns:
+            the mean loss of the mini-batch it drained, on every rank (NaN if none).
+
+        Example:
+            >>> for x, y in batches:                                     # doctest: +SKIP
+            ...     pipe.step(x, y, loss_fn, optimizer=optimizer)
+            >>> last_loss = pipe.flush()                                 # doctest: +SKIP
+        """
+        if self._stream is None or not self._stream.in_flight:
+            return float("nan")
+        self._guard()
+        try:
+            return self._stream.drain()
+        except BaseException as e:
+            self._broken = (
+                e
+                if isinstance(e, StageFailure)
+                else StageFailure(str(e), rank=self.stage, stage=-1, microbatch=-1, action="")
+            )
+            raise
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip the gradients of the whole pipeline by their norm over every stage.
@@ -538,72 +579,6 @@ class AsyncPipe(nn.Module):
         """
         grads = [p.grad.detach() for p in self.parameters() if p.grad is not None]
         return clip_norm(grads, self._runtime.exchange, max_norm, norm_type)
-
-    def forward(self, input: object = None) -> Any:
-        """Run the forward of one mini-batch through the pipeline (fairscale's style).
-
-        On the last stage it returns the gathered output (a tensor, or a tuple), connected to
-        autograd: a ``backward()`` through it runs the backward of every micro-batch and sends
-        gradients upstream. The other stages get their local output (detached) and must call
-        :meth:`back_helper` with it to take part in the backward. Under ``torch.no_grad()`` or
-        in ``eval()`` mode this is a pure inference pipeline: nobody waits for gradients.
-
-        Example:
-            >>> out = pipe(x)                                     # doctest: +SKIP
-            >>> if pipe.is_last_stage:                            # doctest: +SKIP
-            ...     loss_fn(out, y).backward()
-            ... else:
-            ...     pipe.back_helper(out)
-        """
-        if self._pending is not None:
-            raise RuntimeError(
-                "the previous forward still waits for its backward: call backward() on the "
-                "last stage's output and back_helper(output) on the other stages first"
-            )
-        train = self.training and torch.is_grad_enabled()
-        prepare = self._prepare(input, None, None, train=train)
-        work = self._run(prepare, _is_forward if train else None)
-        last = self._last_segment if self.is_last_stage else max(self._runtime.segments)
-        outputs = [work.outputs[(last, i)] for i in range(work.microbatches)]
-        if not train:
-            self._traced(work, None)
-            return unwrap(gather(outputs))
-        self._pending = work
-        if not self.is_last_stage:
-            return unwrap(gather([tuple(t.detach() for t in out) for out in outputs]))
-        sizes = [out[0].shape[0] for out in outputs]
-        joined = gather([tuple(t.detach() for t in out) for out in outputs])
-        phony = torch.empty(0, requires_grad=True)  # makes the output ask for gradients
-        joined_out = _GatherOutputs.apply(self, sizes, phony, *joined)  # type: ignore[no-untyped-call]
-        return unwrap(joined_out)
-
-    def _backward_phase(self, output_grads: list[tuple[Tensor | None, ...]] | None) -> None:
-        work, self._pending = self._pending, None
-        if work is None:
-            raise RuntimeError(
-                "there is no forward waiting for its backward: call pipe(input) first"
-            )
-        work.output_grads = output_grads
-        before = self._shared.snapshot()
-        self._run(lambda m: work, _is_backward, resume=work)
-        if self._averager is not None:
-            self._averager.finish()
-        self._shared.reduce(before)
-        self._traced(work, None)
-
-    def back_helper(self, output: object = None) -> None:
-        """Take part in the backward of the last :meth:`forward` on a stage other than the last.
-
-        Example:
-            >>> out = pipe(x)              # doctest: +SKIP
-            >>> pipe.back_helper(out)      # doctest: +SKIP
-        """
-        if self.is_last_stage:
-            raise RuntimeError(
-                "back_helper() is for the stages before the last; on the last stage call "
-                "backward() on a loss computed from the output of pipe(input)"
-            )
-        self._backward_phase(None)
 
     def extra_repr(self) -> str:
         return (

@@ -55,6 +55,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="except_last",
         help="which micro-batches recompute their activations in backward",
     )
+    parser.add_argument(
+        "--schedule",
+        choices=("gpipe", "1f1b", "2bw"),
+        default="gpipe",
+        help="pipeline schedule; 2bw never drains between steps and applies each update one "
+        "step late (it is not traced)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and batches")
     parser.add_argument(
         "--balance",
@@ -82,6 +89,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="trace directory for TensorBoard and python -m asyncpipe.trace ('' for none)",
     )
     parser.add_argument("--trace-every", type=int, default=50, help="steps between timelines")
+    parser.add_argument(
+        "--loss-log", type=Path, default=None, help="write 'step loss' lines of every mini-batch"
+    )
     args = parser.parse_args(argv)
     for name in ("steps", "chunks", "batch_size", "seq_len", "dim", "depth", "heads"):
         if getattr(args, name) < 1:
@@ -258,7 +268,8 @@ def main() -> None:
         balance=balance,
         chunks=args.chunks,
         checkpoint=args.checkpoint,
-        trace=args.trace or None,
+        schedule=args.schedule,
+        trace=(args.trace or None) if args.schedule != "2bw" else None,
         trace_every=args.trace_every,
     )
     del model  # this rank keeps only its stage's layers
@@ -280,6 +291,7 @@ def main() -> None:
         return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    pipe.trace_optimizer(optimizer)
 
     tokens_per_step = args.batch_size * args.seq_len
     say(
@@ -292,7 +304,8 @@ def main() -> None:
     )
     say(
         f"pipeline: {world} stages, balance {balance}, parameters per stage {stage_params}, "
-        f"chunks {args.chunks}, checkpoint {args.checkpoint!r}, {threads} thread(s) per process"
+        f"chunks {args.chunks}, schedule {args.schedule}, checkpoint {args.checkpoint!r}, "
+        f"{threads} thread(s) per process"
     )
     say(
         f"training: {args.steps} steps of {args.batch_size} x {args.seq_len} characters, "
@@ -309,18 +322,21 @@ def main() -> None:
     for step in range(args.steps):
         inputs, targets = corpus.batch(corpus.train, args.batch_size, args.seq_len, generator)
         begun = time.perf_counter()
-        optimizer.zero_grad()
+        # asyncpipe steps the optimizer: at the end of this step, or (2bw) one step late, when
+        # it returns the loss of the previous mini-batch (NaN on the first step).
         loss = pipe.step(
             inputs if pipe.is_first_stage else None,
             targets if pipe.is_last_stage else None,
             lm_loss,
+            optimizer=optimizer,
         )
-        with pipe.trace_span("optimizer"):
-            optimizer.step()
-            scheduler.step()
+        scheduler.step()
         finished = time.perf_counter()
+        if args.schedule == "2bw" and step == 0:
+            loss = math.nan
         progress.update(step + 1, loss, finished - begun)
-        losses.append(loss)
+        if not math.isnan(loss):
+            losses.append(loss)
         report = pipe.last_step
         if step > 0 and report is not None:  # the first step pays for warm-up
             timing.steps += 1
@@ -336,7 +352,11 @@ def main() -> None:
                 flush=True,
             )
             last_log, logged = finished, step + 1
+    if args.schedule == "2bw":
+        losses.append(pipe.flush())  # the last mini-batch: its backwards and its update
     total = time.perf_counter() - started
+    if rank == 0 and args.loss_log is not None:
+        args.loss_log.write_text("".join(f"{n + 1} {v:.6f}\n" for n, v in enumerate(losses)))
 
     timings: list[Timing | None] = [None] * world
     dist.all_gather_object(timings, timing)

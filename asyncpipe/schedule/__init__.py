@@ -11,6 +11,7 @@ from .registry import NAMES, build
 from .replay import PlanError
 from .show import grid, parse_plan, timeline_png, timeline_svg
 from .simulate import Costs, Simulation, simulate
+from .two_bw import two_bw
 from .validate import validate
 from .zero_bubble import zero_bubble
 
@@ -35,6 +36,7 @@ __all__ = [
     "stage_owners",
     "timeline_png",
     "timeline_svg",
+    "two_bw",
     "validate",
     "zero_bubble",
 ]

@@ -7,11 +7,14 @@ from .generate import gpipe, one_f_one_b
 
 __all__: list[str] = []
 
-NAMES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
+NAMES = ("gpipe", "1f1b", "interleaved", "zero_bubble", "2bw")
 
 
 def build(name: str, stages: int, microbatches: int, virtual_stages: int = 1) -> Plan:
     """The plan of schedule ``name`` for ``stages`` ranks and ``microbatches`` micro-batches.
+
+    ``"2bw"`` (PipeDream-2BW) gives three mini-batches of ``microbatches`` each, one stream
+    with no flush between them (see :func:`~asyncpipe.schedule.two_bw`).
 
     ``virtual_stages`` is the number of model chunks per rank (only ``"interleaved"`` takes more
     than one); the plan then has ``stages * virtual_stages`` stages, stage ``k`` on rank
@@ -34,6 +37,10 @@ def build(name: str, stages: int, microbatches: int, virtual_stages: int = 1) ->
         return gpipe(stages, microbatches)
     if name == "1f1b":
         return one_f_one_b(stages, microbatches)
+    if name == "2bw":
+        from .two_bw import two_bw
+
+        return two_bw(stages, microbatches)
     if name == "interleaved":
         from .interleaved import interleaved
 

@@ -1,0 +1,277 @@
+"""The 2BW stream: runs one window of the PipeDream-2BW plan per step, never draining between.
+
+Each ``step()`` runs this rank's window of :func:`~asyncpipe.schedule.two_bw`: the forwards of
+the new mini-batch and the backwards beside them, some of the previous mini-batch (stale: they
+run on the stashed weights) and some of the new one. The state of the micro-batches still in
+flight stays here between calls, and the update lands at the end of the window::
+
+    window t:  F(t, 0) B(t-1, M-w) ... F(t, w-1) B(t-1, M-1) | take g(t-1) | F(t, w) B(t, 0) ...
+    end:       stash weights v(t) if B(t, M-w..M-1) are owed; optimizer.step() with g(t-1)
+    flush():   B(t, M-w) ... B(t, M-1) on the stash, then optimizer.step() with g(t)
+
+Ranks report how a window went to every other rank without waiting for each other: a window's
+news is read at the end of the next one (or by ``flush()``), so the pipeline stays full.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.profiler import record_function
+
+from .failure import Failed, StepReport
+from .runtime import _OK, _PEER_ERRORS, STATUS_CHANNEL, Runtime
+from .schedule import Action, Kind, lower, validate
+from .schedule.two_bw import two_bw, windows
+from .transport import Message, PendingRecv, TransportTimeout
+from .versions import WeightVersions
+from .work import Work
+
+__all__: list[str] = []
+
+
+class Stream:
+    """Runs the 2BW windows of one rank, keeping the previous mini-batch in flight.
+
+    Args:
+        runtime: this rank's runtime (handlers, channels, transport, timeout).
+        params: this rank's parameters.
+        stages: segments of the pipeline.
+        microbatches: micro-batches of every mini-batch.
+    """
+
+    def __init__(
+        self, runtime: Runtime, params: list[nn.Parameter], stages: int, microbatches: int
+    ) -> None:
+        self.runtime = runtime
+        self.microbatches = microbatches
+        plan = validate(lower(two_bw(stages, microbatches, batches=2), runtime.routes.edges()))
+        first, steady, drain = windows(plan, stages, microbatches, batches=2)[runtime.rank]
+        self.windows = {"first": first, "steady": steady, "drain": drain}
+        self.versions = WeightVersions(params)
+        self.previous: Work | None = None
+        """The mini-batch whose last backwards the next window (or the drain) runs."""
+        self.batches = 0
+        """Mini-batches begun since the start or the last drain (numbers trace events)."""
+        self.optimizer: torch.optim.Optimizer | None = None
+        self._unread: dict[int, PendingRecv] = {}
+        self._status: list[float] = []
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a mini-batch still owes backwards (the pipeline is not drained)."""
+        return self.previous is not None
+
+    def step(
+        self, prepare: Callable[[int | None], Work], optimizer: torch.optim.Optimizer
+    ) -> tuple[Work, float, StepReport]:
+        """Run the next window: the forwards of a new mini-batch. Returns its work, the mean
+        loss of the previous mini-batch (NaN if there was none) and the timing of the window."""
+        work = prepare(self.microbatches)
+        if work.microbatches != self.microbatches:
+            raise ValueError(
+                f"schedule '2bw' needs every mini-batch to split into chunks="
+                f"{self.microbatches} micro-batches (this one split into {work.microbatches}); "
+                f"pass batches of at least {self.microbatches} rows, the same on every step"
+            )
+        self.optimizer = optimizer
+        window = self.windows["steady" if self.previous is not None else "first"]
+        current = 1 if self.previous is not None else 0
+        posted = self._post_news()
+        report = self._run(window, {current: work, current - 1: self.previous}, current)
+        owed = {(a.stage, a.microbatch) for a in window if a.kind is Kind.FORWARD}
+        owed -= {(a.stage, a.microbatch) for a in window if a.kind is Kind.BACKWARD}
+        self.versions.update(optimizer, keep=bool(owed))
+        status = [work.loss_sum, _OK, float(self.runtime.stop_requested)]
+        self._send_news(status)
+        loss = math.nan
+        if self.previous is not None:
+            loss = self._read_news()
+        self._unread, self._status = posted, status
+        self._post(self.windows["steady"], {0: work}, only=0)
+        self.runtime.transport.flush(self.runtime.timeout)
+        self.previous = work
+        self.batches += 1
+        return work, loss, report
+
+    def drain(self) -> float:
+        """Run the backwards still owed and apply the last mini-batch's update: the pipeline is
+        then empty. Returns the mean loss of that mini-batch (NaN if nothing was in flight)."""
+        if self.previous is None or self.optimizer is None:
+            return math.nan
+        self._run(self.windows["drain"], {1: self.previous}, 2)
+        self.versions.update(self.optimizer, keep=False)
+        loss = self._read_news()
+        self.runtime.transport.flush(self.runtime.timeout)
+        self.previous = None
+        self.batches = 0
+        return loss
+
+    # ----- news of each window, read one window late --------------------------------------
+
+    def _post_news(self) -> dict[int, PendingRecv]:
+        transport = self.runtime.transport
+        peers = [r for r in range(transport.world_size) if r != self.runtime.rank]
+        return {peer: transport.recv(peer, STATUS_CHANNEL) for peer in peers}
+
+    def _send_news(self, status: list[float]) -> None:
+        transport = self.runtime.transport
+        tensor = torch.tensor(status, dtype=torch.float64, device=self.runtime.device)
+        for peer in range(transport.world_size):
+            if peer != self.runtime.rank:
+                transport.send(peer, STATUS_CHANNEL, Message(0, 0, (tensor,)))
+
+    def _read_news(self) -> float:
+        """Every rank's news of the previous window: its mini-batch's mean loss."""
+        table = [self._status]
+        unread, self._unread = self._unread, {}
+        for peer, pending in unread.items():
+            try:
+                message = pending.wait(self.runtime.timeout)
+            except Exception as e:
+                raise TransportTimeout(
+                    f"rank {peer} did not say how its last 2BW window went: rank "
+                    f"{self.runtime.rank} waited {self.runtime.timeout:.1f} s; rank {peer} "
+                    f"crashed, was killed or is stuck"
+                ) from e
+            tensor = message.tensors[0] if message.tensors else None
+            if message.error is not None or tensor is None:
+                raise RuntimeError(f"rank {peer} failed: {message.error}")
+            table.append(tensor.cpu().tolist())
+        self.runtime.stop_agreed = any(row[2] for row in table)
+        return sum(row[0] for row in table) / self.microbatches
+
+    def _post(
+        self, window: list[Action], batches: dict[int, Work | None], only: int | None = None
+    ) -> None:
+        """Post the receives of ``window`` not posted yet (of mini-batch ``only``, if given).
+
+        The end of a window posts the next one's receives for the mini-batch it leaves in
+        flight: a peer that sent it a gradient in its own window waits until that is taken
+        before it returns, so nothing between two steps (a barrier, a checkpoint) can wait on
+        a receive that nobody posted."""
+        transport, m = self.runtime.transport, self.microbatches
+        if not transport.early_receives:
+            return
+        for a in window:
+            batch = a.microbatch // m
+            if not a.kind.is_recv or (only is not None and batch != only):
+                continue
+            owner = batches[batch]
+            mine = Action(a.stage, a.kind, a.microbatch % m, a.peer)
+            if owner is not None and mine not in owner.pending:
+                owner.pending[mine] = transport.recv(*self.runtime.channel(mine), mine.microbatch)
+
+    # ----- one window ----------------------------------------------------------------------
+
+    def _run(
+        self, window: list[Action], batches: dict[int, Work | None], current: int
+    ) -> StepReport:
+        """Run ``window``; its micro-batch ``g`` is micro-batch ``g % M`` of
+        ``batches[g // M]``. The previous mini-batch's gradient is taken after its last action
+        (at once if it has none here)."""
+        m = self.microbatches
+        runtime = self.runtime
+        local = [(a, Action(a.stage, a.kind, a.microbatch % m, a.peer)) for a in window]
+        stale = current - 1
+        older = [n for n, (a, _) in enumerate(local) if a.microbatch // m == stale]
+        take_at = older[-1] if older else -1
+        if self.previous is not None and take_at < 0:
+            self.versions.take_gradient()
+        self._post(window, batches)
+        start = time.perf_counter()
+        events: list[tuple[str, float, float]] = []
+        busy, peak = 0.0, 0
+        offset = (self.batches - current) * m
+        action: Action | None = None
+        mine: Action | None = None
+        try:
+            for index, (action, mine) in enumerate(local):
+                work = batches[action.microbatch // m]
+                assert work is not None
+                text = str(
+                    Action(action.stage, action.kind, action.microbatch + offset, action.peer)
+                )
+                began = time.perf_counter()
+                with record_function(text), self._versioned(action, stale):
+                    runtime.handlers[action.kind](work, mine)
+                ended = time.perf_counter()
+                if action.kind.is_compute:
+                    busy += ended - began
+                    peak = max(peak, sum(w.live for w in batches.values() if w is not None))
+                events.append((text, began - start, ended - start))
+                if index == take_at:
+                    self.versions.take_gradient()
+        except Exception as e:
+            raise self._failed(e, action, mine) from e
+        return StepReport(time.perf_counter() - start, busy, events, start, peak)
+
+    def _failed(
+        self, error: Exception, action: Action | None, mine: Action | None
+    ) -> BaseException:
+        """Tell the peers that read from this rank, and the error to raise here."""
+        runtime = self.runtime
+        if isinstance(error, Failed):
+            failure = error
+        elif mine is not None and mine.kind.is_recv and isinstance(error, _PEER_ERRORS):
+            failure = runtime._silent_peer(mine, error)
+        elif action is not None and mine is not None:
+            failure = Failed(
+                f"stage {mine.stage} failed in {action} (micro-batch {mine.microbatch}) on rank "
+                f"{runtime.rank}: {type(error).__name__}: {error}",
+                mine.stage,
+                mine.microbatch,
+                str(mine),
+                runtime.rank,
+            )
+        else:
+            failure = Failed(
+                f"rank {runtime.rank} failed: {type(error).__name__}: {error}",
+                -1,
+                -1,
+                "",
+                runtime.rank,
+            )
+        runtime._notify(failure)
+        return runtime._raise(failure, error)
+
+    @contextlib.contextmanager
+    def _versioned(self, action: Action, stale: int) -> Iterator[None]:
+        """Forwards save the live version; backwards of the older mini-batch use the stash."""
+        if action.kind is Kind.FORWARD:
+            with self.versions.saving():
+                yield
+        elif action.kind is Kind.BACKWARD and action.microbatch // self.microbatches == stale:
+            with self.versions.stale():
+                yield
+        else:
+            yield
+
+
+def check_two_bw_options(pipe: Any, shared_weights: object, trace: object) -> None:
+    """Every option that ``schedule="2bw"`` cannot run with, at once, as one ValueError."""
+    problems = []
+    ranks = pipe.num_stages
+    if pipe.chunks < ranks - 1:
+        problems.append(
+            f"schedule '2bw' needs chunks >= stages - 1 so that a rank holds at most two weight "
+            f"versions (stages: {ranks}, chunks: {pipe.chunks}); pass chunks={max(ranks - 1, 1)}"
+        )
+    if pipe.data_parallel_size != 1:
+        problems.append("schedule '2bw' runs one pipeline; pass data_parallel_size=1")
+    if shared_weights:
+        problems.append("schedule '2bw' does not tie weights across stages; pass no shared_weights")
+    if pipe.scaler is not None:
+        problems.append(
+            "schedule '2bw' has no float16 loss scaling; pass autocast=torch.bfloat16 or None"
+        )
+    if trace is not None:
+        problems.append("schedule '2bw' is not traced yet; pass trace=None")
+    if problems:
+        raise ValueError("; ".join(problems))

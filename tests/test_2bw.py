@@ -1,0 +1,292 @@
+"""PipeDream-2BW: the plan as data, and training against the delayed-update reference."""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from asyncpipe import AsyncPipe
+from asyncpipe.schedule import Costs, lower, one_f_one_b, simulate, two_bw, validate
+from asyncpipe.schedule.two_bw import windows
+from asyncpipe.transport import Transport
+from tests.threads import run_threads, values
+
+mse = nn.functional.mse_loss
+
+
+def model(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for n in range(4):
+        layers += [nn.Linear(8, 8), nn.Tanh() if n % 2 else nn.LayerNorm(8)]
+    return nn.Sequential(*layers)
+
+
+def batches(steps: int, rows: int = 8) -> list[tuple[Tensor, Tensor]]:
+    generator = torch.Generator().manual_seed(7)
+    return [
+        (torch.randn(rows, 8, generator=generator), torch.randn(rows, 8, generator=generator))
+        for _ in range(steps)
+    ]
+
+
+def adam(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=0.02)
+
+
+def delayed_reference(
+    plain: nn.Module, data: list[tuple[Tensor, Tensor]], chunks: int, flush_after: set[int]
+) -> tuple[list[float], nn.Module]:
+    """The 2BW rule in one process: mini-batch t runs on W(t), and W(t+1) = W(t) updated with
+    the gradient of mini-batch t-1 (computed at W(t-1)); a flush applies the pending gradient.
+    Returns what step() and flush() return, in call order, and the trained model."""
+    plain = copy.deepcopy(plain)
+    params = list(plain.parameters())
+    opt = adam(params)
+    pending: list[Tensor] | None = None
+    pending_loss = math.nan
+    returned: list[float] = []
+
+    def apply(grads: list[Tensor]) -> None:
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt.step()
+
+    for t, (x, y) in enumerate(data):
+        plain.zero_grad()
+        loss = 0.0
+        for px, py in zip(x.chunk(chunks), y.chunk(chunks)):
+            piece = mse(plain(px), py) / chunks
+            piece.backward()
+            loss += float(piece.detach())
+        grads = [p.grad.clone() for p in params]  # type: ignore[union-attr]
+        returned.append(pending_loss)
+        if pending is not None:
+            apply(pending)
+        pending, pending_loss = grads, loss
+        if t in flush_after:
+            apply(pending)
+            returned.append(pending_loss)
+            pending, pending_loss = None, math.nan
+    return returned, plain
+
+
+def run_two_bw(
+    balance: list[int], chunks: int, policy: str, steps: int, flush_after: set[int]
+) -> tuple[list[list[float]], list[AsyncPipe]]:
+    plain, data = model(), batches(steps)
+
+    def fn(rank: int, transport: Transport) -> tuple[list[float], AsyncPipe]:
+        pipe = AsyncPipe(
+            copy.deepcopy(plain),
+            balance,
+            chunks=chunks,
+            checkpoint=policy,
+            schedule="2bw",
+            transport=transport,
+            timeout=20,
+        )
+        opt = adam(pipe.parameters())
+        out = []
+        for t, (x, y) in enumerate(data):
+            out.append(pipe.step(x, y, mse, optimizer=opt))
+            if t in flush_after:
+                out.append(pipe.flush())
+        return out, pipe
+
+    results = values(run_threads(fn, len(balance)))
+    return [r[0] for r in results], [r[1] for r in results]
+
+
+def assert_same(
+    pipes: list[AsyncPipe], plain: nn.Module, got: list[list[float]], want: list[float]
+) -> None:
+    for rank_losses in got:
+        assert len(rank_losses) == len(want)
+        for a, b in zip(rank_losses, want):
+            assert (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-5, abs=1e-7)
+    state: dict[str, Tensor] = {}
+    for pipe in pipes:
+        state.update(pipe.state_dict())
+    for name, tensor in plain.state_dict().items():
+        torch.testing.assert_close(state[name], tensor, rtol=1e-5, atol=1e-6)
+
+
+# ----- the plan ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("stages", "chunks"), [(2, 1), (2, 4), (4, 3), (4, 8)])
+def test_two_bw_is_1f1b_over_the_stream_of_mini_batches(stages: int, chunks: int) -> None:
+    plan = two_bw(stages, chunks, batches=3)
+    assert plan == one_f_one_b(stages, 3 * chunks)
+    validate(lower(plan))
+
+
+@pytest.mark.parametrize(("stages", "chunks"), [(2, 2), (4, 4), (4, 8)])
+def test_windows_split_each_row_at_mini_batch_forwards(stages: int, chunks: int) -> None:
+    batches_ = 3
+    plan = lower(two_bw(stages, chunks, batches=batches_))
+    cut = windows(plan, stages, chunks, batches_)
+    for rank, row in plan.items():
+        parts = cut[rank]
+        assert [a for part in parts for a in part] == row
+        w = stages - rank - 1
+        for t, part in enumerate(parts[:batches_]):
+            forwards = [a.microbatch for a in part if a.kind.value == "F"]
+            backwards = [a.microbatch for a in part if a.kind.value == "B"]
+            assert forwards == list(range(t * chunks, (t + 1) * chunks))
+            assert backwards == list(range(max(t * chunks - w, 0), (t + 1) * chunks - w))
+        assert [a.microbatch for a in parts[-1] if a.kind.value == "B"] == list(
+            range(batches_ * chunks - w, batches_ * chunks)
+        )
+
+
+def test_the_simulator_shows_no_flush_between_mini_batches() -> None:
+    costs = Costs(forward=1, backward=2)
+    stream = simulate(two_bw(4, 8, batches=3), costs).makespan
+    flushing = 3 * simulate(one_f_one_b(4, 8), costs).makespan
+    assert stream == 3 * 8 * 3 + 3 * 3  # one fill and one drain for the whole stream
+    assert flushing == 3 * (8 * 3 + 3 * 3)
+
+
+def test_two_bw_needs_enough_micro_batches() -> None:
+    with pytest.raises(ValueError, match="chunks >= 3"):
+        two_bw(4, 2)
+
+
+# ----- training against the reference ------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["never", "except_last", "always"])
+@pytest.mark.parametrize(("balance", "chunks"), [([4, 4], 4), ([2, 2, 2, 2], 4)])
+def test_2bw_matches_the_delayed_update_reference(
+    balance: list[int], chunks: int, policy: str
+) -> None:
+    steps = 5
+    got, pipes = run_two_bw(balance, chunks, policy, steps, flush_after={steps - 1})
+    want, plain = delayed_reference(model(), batches(steps), chunks, {steps - 1})
+    assert_same(pipes, plain, got, want)
+
+
+def test_a_flush_in_the_middle_restarts_the_delayed_rule() -> None:
+    got, pipes = run_two_bw([2, 2, 2, 2], 4, "except_last", 6, flush_after={2, 5})
+    want, plain = delayed_reference(model(), batches(6), 4, {2, 5})
+    assert_same(pipes, plain, got, want)
+
+
+def test_a_checkpoint_taken_after_flush_resumes_exactly() -> None:
+    plain, data = model(), batches(6)
+
+    def fn(rank: int, transport: Transport) -> tuple[list[float], list[float], bool]:
+        def build() -> tuple[AsyncPipe, torch.optim.Optimizer]:
+            pipe = AsyncPipe(
+                copy.deepcopy(plain), [2, 2, 2, 2], chunks=4, schedule="2bw", transport=transport
+            )
+            return pipe, adam(pipe.parameters())
+
+        pipe, opt = build()
+        first, saved = [], None
+        for t, (x, y) in enumerate(data):
+            first.append(pipe.step(x, y, mse, optimizer=opt))
+            if t == 2:
+                first.append(pipe.flush())
+                saved = copy.deepcopy((pipe.state_dict(), opt.state_dict()))
+        first.append(pipe.flush())
+        assert saved is not None
+        resumed, opt2 = build()
+        resumed.load_state_dict(saved[0])
+        opt2.load_state_dict(saved[1])
+        second = [resumed.step(x, y, mse, optimizer=opt2) for x, y in data[3:]]
+        second.append(resumed.flush())
+        same = all(torch.equal(a, b) for a, b in zip(pipe.parameters(), resumed.parameters()))
+        return first[4:], second, same
+
+    for first, second, same in values(run_threads(fn, 4)):
+        assert same
+        assert len(first) == len(second) == 4
+        assert math.isnan(first[0]) and math.isnan(second[0])
+        assert first[1:] == second[1:]
+
+
+def test_step_needs_the_optimizer_and_flush_drains_only_once() -> None:
+    plain, data = model(), batches(2)
+
+    def fn(rank: int, transport: Transport) -> list[float]:
+        pipe = AsyncPipe(plain, [4, 4], chunks=2, schedule="2bw", transport=transport)
+        with pytest.raises(TypeError, match="optimizer=optimizer"):
+            pipe.step(*data[0], mse)
+        opt = adam(pipe.parameters())
+        got = [pipe.step(*data[0], mse, optimizer=opt), pipe.flush(), pipe.flush()]
+        with pytest.raises(RuntimeError, match="inference only"):
+            pipe(data[0][0])
+        return got
+
+    for got in values(run_threads(fn, 2)):
+        assert math.isnan(got[0]) and not math.isnan(got[1]) and math.isnan(got[2])
+
+
+def test_options_2bw_cannot_run_with_fail_in_the_constructor() -> None:
+    def fn(rank: int, transport: Transport) -> None:
+        AsyncPipe(model(), [2, 2, 2, 2], chunks=2, schedule="2bw", transport=transport)
+
+    for status, error in run_threads(fn, 4):
+        assert status == "error" and "pass chunks=3" in str(error)
+
+
+def _gloo_worker(rank: int, world: int, policy: str, steps: int) -> tuple[list[float], dict]:
+    torch.set_num_threads(1)
+    pipe = AsyncPipe(model(), [8 // world] * world, chunks=4, checkpoint=policy, schedule="2bw")
+    opt = adam(pipe.parameters())
+    out = [pipe.step(x, y, mse, optimizer=opt) for x, y in batches(steps)]
+    torch.distributed.barrier()  # nothing in flight may wait on a receive across a barrier
+    out.append(pipe.flush())
+    return out, pipe.state_dict()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("world", "policy"), [(2, "never"), (4, "except_last")])
+def test_2bw_over_gloo_matches_the_delayed_update_reference(world: int, policy: str) -> None:
+    from tests.spawn import run_ranks
+
+    steps = 4
+    results = run_ranks(_gloo_worker, world, policy, steps, timeout=180)
+    want, plain = delayed_reference(model(), batches(steps), 4, {steps - 1})
+    state: dict[str, Tensor] = {}
+    for losses, part in results:
+        state.update(part)
+        assert all(
+            (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-5)
+            for a, b in zip(losses, want, strict=True)
+        )
+    for name, tensor in plain.state_dict().items():
+        torch.testing.assert_close(state[name], tensor, rtol=1e-5, atol=1e-6)
+
+
+def test_memory_is_two_weight_versions_and_1f1b_activations() -> None:
+    plain, data = model(), batches(4, rows=16)
+
+    def fn(rank: int, transport: Transport) -> tuple[int, int, int, int]:
+        pipe = AsyncPipe(plain, [2, 2, 2, 2], chunks=8, schedule="2bw", transport=transport)
+        opt = adam(pipe.parameters())
+        peak = 0
+        for x, y in data:
+            pipe.step(x, y, mse, optimizer=opt)
+            assert pipe.last_step is not None
+            peak = max(peak, pipe.last_step.peak_activations)
+        stream = pipe._stream
+        assert stream is not None
+        stashed = sum(t.numel() for t in (stream.versions.stash or {}).values())
+        pipe.flush()
+        assert stream.versions.stash is None
+        params = sum(p.numel() * p.element_size() for p in pipe.parameters())
+        return peak, stream.versions.peak_versions, stashed, params
+
+    for rank, (peak, versions, stashed, params) in enumerate(values(run_threads(fn, 4))):
+        assert peak == 4 - rank  # as 1F1B: at most stages - rank micro-batches in flight
+        assert versions == (1 if rank == 3 else 2)  # the last stage never needs the stash
+        assert stashed == (0 if rank == 3 else params)
