@@ -58,7 +58,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 6)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps (default 2)")
     parser.add_argument("--messages", type=int, default=None, help="bandwidth messages")
-    parser.add_argument("--markdown", type=Path, default=DOC, help="page to write the results in")
+    parser.add_argument(
+        "--markdown",
+        type=Path,
+        default=None,
+        help=f"page to write the results in (default for a full run: {DOC.relative_to(REPO_ROOT)}"
+        "; a --quick or --only run writes only where this is given)",
+    )
     parser.add_argument("--plot", type=Path, default=None, help="bar chart (PNG)")
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs alone")
     parser.add_argument("--json", type=Path, default=None, help="write every number here")
@@ -82,6 +88,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if any(8 % (2 * s) for s in args.stage_list):
         parser.error("--stages: each must divide 4 (8 layers, interleaved with 2 per rank)")
     args.plot = args.plot or STATIC / f"benchmark_suite_{args.device}.png"
+    full = not quick and args.parts == list(suite.PARTS) and not (args.stages or args.chunks)
+    if args.markdown is None and not full:
+        args.no_write = True  # a partial run never replaces the full run's figures
+    args.markdown = args.markdown or DOC
     return args
 
 
@@ -91,6 +101,7 @@ class Results:
 
     meta: list[str] = field(default_factory=list)
     rows: list[suite.SuiteRow] = field(default_factory=list)
+    twobw: list[dict[str, Any]] = field(default_factory=list)
     memory: list[MemoryRow] = field(default_factory=list)
     bandwidth: dict[str, Any] = field(default_factory=dict)
     gpt: list[dict[str, Any]] = field(default_factory=list)
@@ -125,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         work = args.keep_logs or Path(tmp)
         if "reference" in args.parts:
             out.rows = suite.run_reference(args, costs, work, where.staged)
+        if "2bw" in args.parts:
+            out.twobw = suite.run_twobw(args)
         if "memory" in args.parts:
             out.memory = suite.run_memory(args, costs, work)
         if "bandwidth" in args.parts:
@@ -177,6 +190,9 @@ def _print(out: Results) -> None:
         print(text_table(REFERENCE_HEADER, reference_cells(out.rows)))
         print("\nEach peer against asyncpipe's same kind of schedule:")
         print(text_table(SUMMARY_HEADER, summary_cells(out.rows)))
+    if out.twobw:
+        print("\nPipeDream-2BW against 1F1B, steady state (no barrier between steps):")
+        print(suite.twobw_table(out.twobw))
     if out.memory:
         print("\nMemory, shape (4, 256, 1024), chunks 8, largest stage count:")
         print(text_table(MEMORY_HEADER, memory_cells(out.memory)))
@@ -208,6 +224,11 @@ def _section(args: argparse.Namespace, out: Results, picture: Path | None) -> st
             *charts,
         )
         part("Each peer against asyncpipe", markdown_table(SUMMARY_HEADER, summary_cells(out.rows)))
+    if out.twobw:
+        part(
+            "PipeDream-2BW against 1F1B: steady state, no barrier between steps",
+            suite.twobw_table(out.twobw),
+        )
     if out.memory:
         part(
             f"Memory: activations (4, 256, 1024), chunks 8, {max(args.stage_list)} stages",

@@ -24,11 +24,14 @@ __all__ = [
     "run_bandwidth",
     "run_memory",
     "run_reference",
+    "run_twobw",
+    "twobw_table",
 ]
 
-PARTS = ("reference", "memory", "bandwidth", "gpt")
-"""What the suite runs: the reference workload's step times for every system, peak memory of
-asyncpipe's schedules on the transfer-heavy shape, activation bandwidth, and the GPT model."""
+PARTS = ("reference", "2bw", "memory", "bandwidth", "gpt")
+"""What the suite runs: the reference workload's step times for every system, PipeDream-2BW's
+steady state against 1F1B's, peak memory of asyncpipe's schedules on the transfer-heavy shape,
+activation bandwidth, and the GPT model."""
 
 TORCH_PEERS = tuple(PEERS)
 """torch.distributed.pipelining's schedules, run beside asyncpipe over p2p."""
@@ -188,6 +191,55 @@ def run_bandwidth(args: argparse.Namespace) -> dict[str, Any]:
     argv = ["--bandwidth-only", "--messages", str(args.messages), "--device", args.device]
     records = launch_workers("benchmarks.transports", argv, 2, 2, timeout_s=600)
     return dict(records[1], micro_batch=8)
+
+
+def run_twobw(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """PipeDream-2BW against 1F1B in the steady state, per stage count and chunk count.
+
+    2BW keeps the pipeline full across steps, so a barrier before each step (as the reference
+    part times) would measure something else: :mod:`benchmarks.twobw` times consecutive steps
+    with no barrier between them on every rank. The no-bubble limit is one stage's compute per
+    step, ``M * 3F * L``.
+    """
+    out: list[dict[str, Any]] = []
+    for stages in args.stage_list:
+        for chunks in args.chunk_list:
+            argv = [
+                f"--f-ms={args.f_ms}", f"--chunks={chunks}", f"--micro-batch={args.micro_batch}",
+                "--shape=small", f"--warmup={max(2, args.warmup)}", f"--steps={args.steps}",
+            ]  # fmt: skip
+            # With exactly one warm-up step, the barrier benchmarks.twobw takes after the
+            # warm-up stalls the 2BW ranks (a gloo receive times out); two or more do not.
+            limit = chunks * 3 * args.f_ms / 1000 * args.layers / stages
+            row: dict[str, Any] = {"stages": stages, "chunks": chunks, "limit_s": limit}
+            print(f"2bw and 1f1b, {stages} stages, chunks {chunks}", file=sys.stderr)
+            try:
+                records = launch_workers("benchmarks.twobw", argv, stages, stages, 600)
+            except RuntimeError as exc:
+                out.append(dict(row, error=str(exc)))
+                continue
+            for schedule in ("1f1b", "2bw"):
+                row[f"{schedule}_s"] = max(r[schedule]["step_s"] for r in records)
+            out.append(row)
+    return out
+
+
+def twobw_table(rows: list[dict[str, Any]]) -> str:
+    """The markdown table of :func:`run_twobw`'s rows."""
+    lines = [
+        "| stages | chunks | 1f1b ms | 2bw ms | no-bubble limit ms | 2bw / limit | 2bw / 1f1b |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        head = f"| {r['stages']} | {r['chunks']} |"
+        if "error" in r:
+            lines.append(f"{head} did not run: {r['error']} | | | | |")
+            continue
+        lines.append(
+            f"{head} {r['1f1b_s'] * 1e3:.1f} | {r['2bw_s'] * 1e3:.1f} | {r['limit_s'] * 1e3:.1f} "
+            f"| {r['2bw_s'] / r['limit_s']:.2f}x | {r['2bw_s'] / r['1f1b_s']:.2f}x |"
+        )
+    return "\n".join(lines)
 
 
 def gpt_options(args: argparse.Namespace) -> argparse.Namespace:

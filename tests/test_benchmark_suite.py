@@ -14,7 +14,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.__main__ import Results, _section, parse_args  # noqa: E402
 from benchmarks.gpu import SHARED_GPU_PEERS, placement  # noqa: E402
-from benchmarks.suite import SuiteRow  # noqa: E402
+from benchmarks.suite import SuiteRow, twobw_table  # noqa: E402
 from benchmarks.suite_report import (  # noqa: E402
     REFERENCE_HEADER,
     SUMMARY_HEADER,
@@ -95,6 +95,18 @@ def test_quick_options() -> None:
     assert full.stage_list == [2, 4] and full.chunk_list == [4, 8, 16]
     with pytest.raises(SystemExit):
         parse_args(["--only", "nothing"])
+    assert args.no_write and not full.no_write  # a partial run leaves the docs alone
+    assert not parse_args(["--quick", "--markdown", "x.md"]).no_write
+
+
+def test_twobw_table() -> None:
+    rows = [
+        {"stages": 4, "chunks": 8, "limit_s": 0.24, "1f1b_s": 0.36, "2bw_s": 0.264},
+        {"stages": 2, "chunks": 8, "limit_s": 0.48, "error": "the benchmark failed: x"},
+    ]
+    lines = twobw_table(rows).splitlines()
+    assert lines[2] == "| 4 | 8 | 360.0 | 264.0 | 240.0 | 1.10x | 0.73x |"
+    assert lines[3].startswith("| 2 | 8 | did not run: the benchmark failed: x")
 
 
 def test_section_names_the_device_and_carries_every_part(tmp_path: Path) -> None:
