@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import resource
@@ -16,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .gpu import Placement, placement, synchronize
+from .peers import FAIRSCALE, fairscale_asyncpipe_step, fairscale_pipe_step
 from .worker import StepFn, _breakdown, _loss, write_record
 from .workload import BUSY, RSS, build_model, make_batch
 
@@ -38,7 +41,7 @@ PEERS = {
 }
 """torch.distributed.pipelining's schedules (class names in ``...pipelining.schedules``)."""
 
-SYSTEMS = (*ASYNCPIPE, *PEERS)
+SYSTEMS = (*ASYNCPIPE, *PEERS, *FAIRSCALE)
 
 MULTI_STAGE = {"asyncpipe-interleaved", "torch-interleaved", "torch-zbv"}
 """Systems that hold ``virtual_stages`` model chunks per rank; the others hold one."""
@@ -77,6 +80,8 @@ def _asyncpipe_step(
     x: torch.Tensor,
     y: torch.Tensor,
     timeout_s: float,
+    transport: str,
+    where: Placement,
 ) -> StepFn:
     import asyncpipe
 
@@ -89,6 +94,8 @@ def _asyncpipe_step(
         schedule=ASYNCPIPE[system],
         virtual_stages=stages // ranks,
         timeout=timeout_s,
+        transport=transport,
+        device=where.device,
     )
 
     def step() -> dict[str, Any]:
@@ -118,6 +125,7 @@ def _torch_step(
     x: torch.Tensor,
     y: torch.Tensor,
     group: dist.ProcessGroup,
+    device: torch.device,
 ) -> StepFn:
     from torch.distributed.pipelining import PipelineStage, schedules
 
@@ -125,8 +133,7 @@ def _torch_step(
     stages = _stage_count(system, ranks, virtual)
     mine = stage_layers(system, ranks, len(model), virtual, rank)
     built = [
-        PipelineStage(_stage_module(model, stages, s), s, stages, torch.device("cpu"), group=group)
-        for s in mine
+        PipelineStage(_stage_module(model, stages, s), s, stages, device, group=group) for s in mine
     ]
     cls = getattr(schedules, PEERS[system])
     if system in ("torch-gpipe", "torch-1f1b"):
@@ -173,32 +180,75 @@ def _entries(text: str) -> list[tuple[int, str, int]]:
     return out
 
 
+def _build_step(
+    system: str,
+    args: argparse.Namespace,
+    model: nn.Sequential,
+    chunks: int,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    peer_group: dist.ProcessGroup,
+    where: Placement,
+) -> StepFn:
+    """The step of one entry: asyncpipe, a torch.distributed.pipelining peer, or fairscale."""
+    ranks = dist.get_world_size()
+    if system in ASYNCPIPE:
+        return _asyncpipe_step(
+            system, model, ranks, args.virtual, chunks, x, y, args.pg_timeout, args.transport, where
+        )
+    if system == "fairscale-asyncpipe":
+        return fairscale_asyncpipe_step(model, [len(model) // ranks] * ranks, chunks, x, y)
+    if system == "fairscale-pipe":
+        stages = args.pipe_stages
+        return fairscale_pipe_step(
+            model, [len(model) // stages] * stages, chunks, x, y, where.device
+        )
+    return _torch_step(system, model, ranks, args.virtual, chunks, x, y, peer_group, where.device)
+
+
+def _memory_start(where: Placement) -> None:
+    RSS.reset()
+    if where.cuda:
+        torch.cuda.reset_peak_memory_stats(where.device)
+
+
+def _memory_record(run_record: dict[str, Any], where: Placement) -> None:
+    """Append this step's memory: the RSS the layers saw, and on a GPU the allocator's peak."""
+    run_record.setdefault("rss_start", []).append(RSS.start_bytes)
+    run_record.setdefault("rss_peak", []).append(RSS.peak_bytes)
+    if where.cuda:
+        run_record.setdefault("cuda_peak", []).append(torch.cuda.max_memory_allocated(where.device))
+
+
 def run(args: argparse.Namespace) -> int:
     rank = int(os.environ["RANK"])
     out = Path(args.out) / f"rank{rank}.json"
     record: dict[str, Any] = {"rank": rank, "runs": [], "error": None, "failed_entry": None}
     write_record(out, record)
     torch.set_num_threads(1)
+    entries = _entries(args.entries)
+    rpc = args.transport == "rpc" or any(s == "fairscale-asyncpipe" for _, s, _ in entries)
+    ok = False
     try:
         import asyncpipe
 
-        asyncpipe.init(timeout=args.pg_timeout)
+        where = placement(args.device, int(os.environ["WORLD_SIZE"]))
+        if where.cuda:
+            torch.cuda.set_device(where.device)
+        record["placement"] = where.describe(int(os.environ["WORLD_SIZE"]))
+        asyncpipe.init(backend=where.backend, timeout=args.pg_timeout, rpc=rpc)
         # The peers talk on a group of their own, so no message can meet asyncpipe's.
-        peer_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.pg_timeout))
+        peer_group = dist.new_group(
+            backend=where.backend, timeout=timedelta(seconds=args.pg_timeout)
+        )
         assert peer_group is not None
-        ranks = dist.get_world_size()
         RSS.enabled = args.memory
-        for index, system, chunks in _entries(args.entries):
+        for index, system, chunks in entries:
             record["failed_entry"] = index  # until this entry completes
             write_record(out, record)
-            model = build_model(args.f_ms, args.layers)
-            x, y = make_batch(chunks, args.micro_batch, args.shape)
-            if system in ASYNCPIPE:
-                step = _asyncpipe_step(
-                    system, model, ranks, args.virtual, chunks, x, y, args.pg_timeout
-                )
-            else:
-                step = _torch_step(system, model, ranks, args.virtual, chunks, x, y, peer_group)
+            model = build_model(args.f_ms, args.layers).to(where.device)
+            x, y = (t.to(where.device) for t in make_batch(chunks, args.micro_batch, args.shape))
+            step = _build_step(system, args, model, chunks, x, y, peer_group, where)
             run_record: dict[str, Any] = {
                 "entry": index,
                 "system": system,
@@ -209,18 +259,19 @@ def run(args: argparse.Namespace) -> int:
             }
             for i in range(args.warmup + args.steps):
                 model.zero_grad(set_to_none=True)
+                synchronize(where)
                 dist.barrier()
                 BUSY.reset()
-                RSS.reset()
+                _memory_start(where)
                 t0 = time.perf_counter()
                 extra = step()
+                synchronize(where)
                 seconds = time.perf_counter() - t0
                 if i >= args.warmup:
                     run_record["seconds"].append(seconds)
                     run_record["busy"].append(BUSY.seconds)
                     if args.memory:
-                        run_record.setdefault("rss_start", []).append(RSS.start_bytes)
-                        run_record.setdefault("rss_peak", []).append(RSS.peak_bytes)
+                        _memory_record(run_record, where)
                     for key, value in extra.items():
                         if key in ("events", "events_start"):
                             run_record[f"last_{key}"] = value
@@ -235,12 +286,18 @@ def run(args: argparse.Namespace) -> int:
             del step, model
             gc.collect()
         dist.barrier()
+        ok = True
     except Exception as exc:  # reported to the launcher through the record and the log
         traceback.print_exc()
         record["error"] = f"{type(exc).__name__}: {exc}".strip()[:1000]
         write_record(out, record)
         return 1
     finally:
+        if rpc:
+            from torch.distributed import rpc as torch_rpc
+
+            with contextlib.suppress(Exception):  # not started, or a peer already gone
+                torch_rpc.shutdown(graceful=ok)
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
@@ -256,7 +313,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--virtual", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--memory", action="store_true", help="sample RSS inside every step")
+    parser.add_argument("--memory", action="store_true", help="sample memory inside every step")
+    parser.add_argument("--transport", choices=("p2p", "rpc"), default="p2p")
+    parser.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu")
+    parser.add_argument("--pipe-stages", type=int, default=4, help="fairscale-pipe's partitions")
     parser.add_argument("--pg-timeout", type=float, default=60.0)
     parser.add_argument("--out", required=True)
     return run(parser.parse_args(argv))

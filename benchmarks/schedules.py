@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from .gpipe import _load, _machine, _read_records, _revision, replace_section
 from .launch import LaunchResult, launch
+from .peers import FAIRSCALE
 from .schedule_worker import ASYNCPIPE, PEERS, SYSTEMS
 from .workload import FEATURES, SHAPES, LayerCosts, calibrate_layer
 
@@ -47,6 +48,7 @@ LABELS = {
     "torch-interleaved": "ScheduleInterleaved1F1B (2 stages/rank)",
     "torch-zero_bubble": "ScheduleInterleavedZeroBubble (1 stage/rank)",
     "torch-zbv": "ScheduleZBVZeroBubble (2 stages/rank, V)",
+    **FAIRSCALE,
 }
 """How each system shows in the tables."""
 
@@ -149,6 +151,10 @@ class Row:
     hop_s: float | None = None
     """asyncpipe only: median time from a send action's start to the end of the matching
     receive, over the messages whose receiver was already waiting (last step of each round)."""
+    memory: list[float] = field(default_factory=list)
+    """Per rank, when the workers sampled memory: the largest over steps of what a step added
+    (the RSS the layers saw at their peak less the RSS at the step's start), or on a GPU the
+    allocator's peak (``torch.cuda.max_memory_allocated``), bytes."""
     plan: dict[str, list[str | None]] | None = field(default=None, repr=False)
     """Peers: rank 0's record of the schedule's ``pipeline_order`` (compute actions by rank)."""
     error: str | None = None
@@ -212,10 +218,21 @@ def _aggregate(row: Row, runs_per_rank: list[list[dict[str, Any]]]) -> None:
         ]
         for parts, runs in zip(row.breakdown, runs_per_rank, strict=True):
             parts["layers_s"] = statistics.fmean(v for run in runs for v in run["busy"])
+    memory = [_memory(runs) for runs in runs_per_rank]
+    row.memory = [m for m in memory if m is not None] if None not in memory else []
     hops = [
         hop for r in range(rounds) for hop in _hops([rank_runs[r] for rank_runs in runs_per_rank])
     ]
     row.hop_s = statistics.median(hops) if hops else None
+
+
+def _memory(runs: list[dict[str, Any]]) -> float | None:
+    """One rank's peak memory over its runs (see :attr:`Row.memory`), or None if not sampled."""
+    if all("cuda_peak" in run for run in runs):
+        return float(max(max(run["cuda_peak"]) for run in runs))
+    if all("rss_peak" in run for run in runs):
+        return float(max(p - s for run in runs for p, s in zip(run["rss_peak"], run["rss_start"])))
+    return None
 
 
 def _hops(runs: list[dict[str, Any]]) -> list[float]:
@@ -252,7 +269,15 @@ def _hops(runs: list[dict[str, Any]]) -> list[float]:
 def _worker_args(
     args: argparse.Namespace, entries: str, shape: str, out: Path, memory: bool
 ) -> list[str]:
-    return ["--memory"] * memory + [
+    # Options only the suite (python -m benchmarks) sets: memory sampled in timing runs too,
+    # the transport and device of asyncpipe's systems, fairscale Pipe's partitions.
+    sample = memory or getattr(args, "sample_memory", False)
+    extra = [
+        "--transport", getattr(args, "transport", "p2p"),
+        "--device", getattr(args, "device", "cpu"),
+        "--pipe-stages", str(getattr(args, "pipe_stages", args.ranks)),
+    ]  # fmt: skip
+    return ["--memory"] * sample + extra + [
         "--entries", entries,
         "--f-ms", str(args.f_ms),
         "--micro-batch", str(args.micro_batch),
@@ -302,7 +327,7 @@ def run_entries(
             args.ranks,
             timeout_s,
             out,
-            extra_env=MEMORY_ENV if memory else None,
+            extra_env=MEMORY_ENV if memory or getattr(args, "sample_memory", False) else None,
         )
         print(
             f"  group of {len(remaining)} entries: {result.seconds:.1f} s wall, "

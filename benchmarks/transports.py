@@ -26,11 +26,13 @@ import torch
 import torch.distributed as dist
 
 from .gpipe import replace_section
+from .gpu import placement, synchronize
 from .launch import launch_workers
+from .peers import fairscale_asyncpipe_step
 from .worker import _loss, timed_steps, write_record
 from .workload import SHAPES, build_model, make_batch, nominal_ideal_s
 
-__all__ = ["main"]
+__all__ = ["bandwidth_table", "main"]
 
 BEGIN, END = "<!-- transports:begin -->", "<!-- transports:end -->"
 DOC = Path(__file__).resolve().parent.parent / "docs" / "transports.md"
@@ -44,15 +46,23 @@ SLOTS = 8
 
 
 def _bandwidth(
-    method: str, shape: tuple[int, ...], messages: int, transports: dict[str, Any]
+    method: str,
+    shape: tuple[int, ...],
+    messages: int,
+    transports: dict[str, Any],
+    device: torch.device,
 ) -> float | None:
     """Seconds rank 1 took to receive ``messages`` tensors of ``shape`` (None on rank 0)."""
     from asyncpipe.transport import Message, P2PTransport, RPCTransport
 
     rank = dist.get_rank()
-    tensor = torch.randn(*shape)
+    tensor = torch.randn(*shape, device=device)
     if method not in transports:  # one per method and shape, kept from warm-up to the run
-        makers = {"p2p": P2PTransport, "rpc": RPCTransport, "raw": lambda: None}
+        makers = {
+            "p2p": lambda: P2PTransport(device=device),
+            "rpc": RPCTransport,
+            "raw": lambda: None,
+        }
         transports[method] = makers[method]()
     transport = transports[method]
     dist.barrier()
@@ -75,7 +85,7 @@ def _bandwidth(
 
     def post(n: int) -> Any:
         if transport is None:
-            return dist.irecv(torch.empty(*shape), 0)
+            return dist.irecv(torch.empty(*shape, device=device), 0)
         return transport.recv(0, 0, n % SLOTS)
 
     # A window of SLOTS receives posted ahead, one per slot, as a pipeline posts them.
@@ -90,7 +100,9 @@ def _bandwidth(
         if n + SLOTS < messages:
             pending[n + SLOTS] = post(n + SLOTS)
         if n == 0:
+            synchronize(device)  # an NCCL wait only orders the GPU's stream
             start = time.perf_counter()
+    synchronize(device)
     seconds = time.perf_counter() - start
     dist.barrier()
     return seconds
@@ -119,30 +131,13 @@ def _step_time(
 
 def _fairscale_step_time(f_ms: float, chunks: int, steps: int) -> dict[str, Any]:
     """fairscale's AsyncPipe (over RPC) on the same workload, or why it could not run."""
+    world = dist.get_world_size()
+    model = build_model(f_ms)
+    x, y = make_batch(chunks, 4, "small")
     try:
-        from fairscale.nn.model_parallel import initialize_model_parallel
-        from fairscale.nn.pipe import AsyncPipe as FairscaleAsyncPipe
+        step = fairscale_asyncpipe_step(model, [len(model) // world] * world, chunks, x, y)
     except Exception as e:
         return {"error": f"{type(e).__name__}: {e}"}
-    world = dist.get_world_size()
-    initialize_model_parallel(1, world)
-    model = build_model(f_ms)
-    pipe = FairscaleAsyncPipe(
-        model,
-        [len(model) // world] * world,
-        worker_map={r: f"worker{r}" for r in range(world)},
-        chunks=chunks,
-        checkpoint="never",
-    )
-    x, y = make_batch(chunks, 4, "small")
-
-    def step() -> None:
-        out = pipe(x)
-        if pipe.final_stage:
-            _loss(out, y).backward()
-        else:
-            pipe.back_helper(out)
-
     times = timed_steps(step, steps)
     return {"median_s": statistics.median(times), "min_s": min(times)}
 
@@ -150,8 +145,16 @@ def _fairscale_step_time(f_ms: float, chunks: int, steps: int) -> dict[str, Any]
 def worker(args: argparse.Namespace) -> int:
     import asyncpipe
 
-    asyncpipe.init(rpc=True)
-    record: dict[str, Any] = {"bandwidth": {}, "steps": {}}
+    where = placement(args.device, int(os.environ["WORLD_SIZE"]))
+    # gloo sends host memory only: on a shared GPU the bandwidth is that of host tensors.
+    device = torch.device("cpu") if where.staged else where.device
+    asyncpipe.init(backend=where.backend, rpc=True)
+    record: dict[str, Any] = {
+        "bandwidth": {},
+        "steps": {},
+        "placement": where.describe(dist.get_world_size()),
+        "tensors": str(device),
+    }
     micro = args.micro_batch
     for label, shape in (
         ("small", (micro, *SHAPES["small"])),
@@ -160,8 +163,8 @@ def worker(args: argparse.Namespace) -> int:
         count = args.messages if label == "small" else max(args.messages // 10, 20)
         transports: dict[str, Any] = {}
         for method in ("raw", "p2p", "rpc"):
-            _bandwidth(method, shape, 2 * SLOTS, transports)  # warm up: slots learn their size
-            seconds = _bandwidth(method, shape, count, transports)
+            _bandwidth(method, shape, 2 * SLOTS, transports, device)  # warm up: slots learn
+            seconds = _bandwidth(method, shape, count, transports, device)  # their sizes
             if seconds is not None:
                 size = 4 * int(torch.Size(shape).numel())
                 # count - 1 messages arrived after the first one started the clock
@@ -171,7 +174,7 @@ def worker(args: argparse.Namespace) -> int:
                     "seconds": seconds,
                     "bytes_per_s": size * (count - 1) / seconds,
                 }
-    if dist.get_world_size() >= 2:
+    if dist.get_world_size() >= 2 and not args.bandwidth_only:
         for schedule in ("gpipe", "1f1b"):
             for transport in ("p2p", "rpc"):
                 record["steps"][f"asyncpipe {schedule} over {transport}"] = _step_time(
@@ -188,14 +191,14 @@ def worker(args: argparse.Namespace) -> int:
 # ----- driver side -----------------------------------------------------------------------------
 
 
-def _table(records: list[dict[str, Any]], args: argparse.Namespace) -> str:
-    bandwidth = records[1]["bandwidth"]
+def bandwidth_table(bandwidth: dict[str, dict[str, float]], micro_batch: int) -> str:
+    """The markdown table of a bandwidth record (rank 1's ``record["bandwidth"]``)."""
     lines = [
         "| shape | bytes | raw send/recv | p2p | rpc | p2p / raw | rpc / raw |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for label in ("small", "large"):
-        shape = (args.micro_batch, *SHAPES[label])
+        shape = (micro_batch, *SHAPES[label])
         raw, p2p, rpc = (bandwidth[f"{label}-{m}"] for m in ("raw", "p2p", "rpc"))
 
         def rate(entry: dict[str, float]) -> str:
@@ -206,6 +209,13 @@ def _table(records: list[dict[str, Any]], args: argparse.Namespace) -> str:
             f"{p2p['bytes_per_s'] / raw['bytes_per_s']:.2f} | "
             f"{rpc['bytes_per_s'] / raw['bytes_per_s']:.2f} |"
         )
+    return "\n".join(lines)
+
+
+def _table(records: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    lines = [bandwidth_table(records[1]["bandwidth"], args.micro_batch)]
+    if args.bandwidth_only:
+        return lines[0]
     steps = records[0]["steps"]
     world = args.processes
     ideal = nominal_ideal_s(world, args.chunks, 8 // world, args.f_ms)
@@ -246,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunks", type=int, default=8, help="micro-batches per step")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per transport")
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs alone")
+    parser.add_argument("--bandwidth-only", action="store_true", help="no step times")
+    parser.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu")
     args = parser.parse_args(argv)
     if args.worker:
         return worker(args)

@@ -1,0 +1,253 @@
+"""``python -m benchmarks``: the whole suite on this machine, written into docs/."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import shlex
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import gpt, suite
+from .gpipe import _load, _machine, _revision, replace_section
+from .gpu import placement
+from .launch import REPO_ROOT
+from .peers import fairscale_version
+from .schedules import MEMORY_HEADER, MemoryRow, memory_cells
+from .suite_report import (
+    REFERENCE_HEADER,
+    SUMMARY_HEADER,
+    markdown_table,
+    plot,
+    reference_cells,
+    summary_cells,
+    text_table,
+)
+from .transports import bandwidth_table
+from .workload import calibrate_layer
+
+__all__: list[str] = []
+
+DOC = REPO_ROOT / "docs" / "benchmark_suite.md"
+STATIC = REPO_ROOT / "docs" / "_static"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description="Run the benchmark suite: every asyncpipe schedule over p2p and rpc against "
+        "torch.distributed.pipelining and fairscale on the reference workload, peak memory, "
+        "activation bandwidth and the GPT model; print the tables and write them (and a bar "
+        "chart) into docs/.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--quick", action="store_true", help="4 stages, chunks 8, few steps")
+    parser.add_argument("--only", default=",".join(suite.PARTS), help="parts to run")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--stages", default=None, help="pipeline ranks (default 2,4)")
+    parser.add_argument("--chunks", default=None, help="micro-batches (default 4,8,16)")
+    parser.add_argument("--f-ms", type=float, default=5.0, help="forward sleep per layer (ms)")
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 6)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps (default 2)")
+    parser.add_argument("--messages", type=int, default=None, help="bandwidth messages")
+    parser.add_argument(
+        "--markdown",
+        type=Path,
+        default=None,
+        help=f"page to write the results in (default for a full run: {DOC.relative_to(REPO_ROOT)}"
+        "; a --quick or --only run writes only where this is given)",
+    )
+    parser.add_argument("--plot", type=Path, default=None, help="bar chart (PNG)")
+    parser.add_argument("--no-write", action="store_true", help="print only; leave docs alone")
+    parser.add_argument("--json", type=Path, default=None, help="write every number here")
+    parser.add_argument("--keep-logs", type=Path, default=None, help="keep worker files here")
+    args = parser.parse_args(argv)
+    args.parts = [p for p in args.only.split(",") if p]
+    unknown = [p for p in args.parts if p not in suite.PARTS]
+    if unknown:
+        parser.error(f"unknown parts {unknown}; choose from {', '.join(suite.PARTS)}")
+    args.device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
+    args.device = "cpu" if args.device == "auto" else args.device
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch.cuda.is_available() is False on this machine")
+    quick = args.quick
+    args.stage_list = [int(s) for s in (args.stages or ("4" if quick else "2,4")).split(",")]
+    args.chunk_list = [int(c) for c in (args.chunks or ("8" if quick else "4,8,16")).split(",")]
+    args.steps = args.steps or (3 if quick else 6)
+    args.warmup = args.warmup if args.warmup is not None else (1 if quick else 2)
+    args.messages = args.messages or (60 if quick else 300)
+    args.layers = 8
+    if any(8 % (2 * s) for s in args.stage_list):
+        parser.error("--stages: each must divide 4 (8 layers, interleaved with 2 per rank)")
+    args.plot = args.plot or STATIC / f"benchmark_suite_{args.device}.png"
+    full = not quick and args.parts == list(suite.PARTS) and not (args.stages or args.chunks)
+    if args.markdown is None and not full:
+        args.no_write = True  # a partial run never replaces the full run's figures
+    args.markdown = args.markdown or DOC
+    return args
+
+
+@dataclass
+class Results:
+    """Everything one run of the suite measured."""
+
+    meta: list[str] = field(default_factory=list)
+    rows: list[suite.SuiteRow] = field(default_factory=list)
+    twobw: list[dict[str, Any]] = field(default_factory=list)
+    memory: list[MemoryRow] = field(default_factory=list)
+    bandwidth: dict[str, Any] = field(default_factory=dict)
+    gpt: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def _markers(device: str) -> tuple[str, str]:
+    return (
+        f"<!-- begin: python -m benchmarks device={device} (generated; rerun to update) -->",
+        f"<!-- end: python -m benchmarks device={device} -->",
+    )
+
+
+def _relative(path: Path, page: Path) -> str:
+    try:
+        return path.resolve().relative_to(page.resolve().parent).as_posix()
+    except ValueError:
+        return path.as_posix()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    started = time.monotonic()
+    where = placement(args.device, max(args.stage_list), rank=0)
+    device_line = where.describe(max(args.stage_list))
+    print(f"device: {device_line}", file=sys.stderr)
+    costs = calibrate_layer(args.f_ms, args.micro_batch, "small")
+    load_before = _load()
+    out = Results(notes=[f"fairscale: {fairscale_version()}"])
+    with tempfile.TemporaryDirectory(prefix="asyncpipe-suite-") as tmp:
+        work = args.keep_logs or Path(tmp)
+        if "reference" in args.parts:
+            out.rows = suite.run_reference(args, costs, work, where.staged)
+        if "2bw" in args.parts:
+            out.twobw = suite.run_twobw(args)
+        if "memory" in args.parts:
+            out.memory = suite.run_memory(args, costs, work)
+        if "bandwidth" in args.parts:
+            try:
+                out.bandwidth = suite.run_bandwidth(args)
+            except RuntimeError as exc:
+                out.notes.append(f"bandwidth: {exc}")
+        if "gpt" in args.parts:
+            out.gpt = gpt.run_systems(suite.gpt_options(args))
+    out.notes.append(
+        f"Load average before the runs: {load_before}; after: {_load()} (other work on the "
+        f"machine inflates the step times)"
+    )
+    seconds = time.monotonic() - started
+    command = shlex.join(["python", "-m", "benchmarks", *argv])
+    out.meta = [
+        f"Date: {datetime.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')}",
+        f"Machine: {_machine()}",
+        f"Device: {device_line}",
+        f"asyncpipe: commit {_revision()}",
+        f"Command: `{command}` ({seconds / 60:.1f} min)",
+        f"Reference workload: 8 layers, F = {args.f_ms:g} ms, micro-batch {args.micro_batch}, "
+        f"activations ({args.micro_batch}, 1024), {args.warmup} warm-up + {args.steps} timed "
+        f'steps per entry, checkpoint="never"; calibrated per layer: forward '
+        f"{costs.forward_s * 1e3:.2f} ms, backward {costs.backward_s * 1e3:.2f} ms, B "
+        f"{costs.input_s * 1e3:.2f} ms, W {costs.weight_s * 1e3:.2f} ms",
+    ]
+    _print(out)
+    if args.json is not None:
+        payload = {
+            **asdict(out),
+            "rows": [dict(asdict(r), vs_simulated=r.vs_simulated) for r in out.rows],
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+    if not args.no_write:
+        picture = None
+        if out.rows:
+            picture = plot(out.rows, args.plot, f"asyncpipe and peers: {device_line}")
+        section = _section(args, out, picture)
+        begin, end = _markers(args.device)
+        replace_section(args.markdown, section, begin, end, "# Benchmark suite\n")
+        print(f"wrote {args.markdown}" + (f" and {picture}" if picture else ""))
+    return 0
+
+
+def _print(out: Results) -> None:
+    print("\n".join(out.meta))
+    if out.rows:
+        print(text_table(REFERENCE_HEADER, reference_cells(out.rows)))
+        print("\nEach peer against asyncpipe's same kind of schedule:")
+        print(text_table(SUMMARY_HEADER, summary_cells(out.rows)))
+    if out.twobw:
+        print("\nPipeDream-2BW against 1F1B, steady state (no barrier between steps):")
+        print(suite.twobw_table(out.twobw))
+    if out.memory:
+        print("\nMemory, shape (4, 256, 1024), chunks 8, largest stage count:")
+        print(text_table(MEMORY_HEADER, memory_cells(out.memory)))
+    if out.bandwidth:
+        print(f"\nActivation bandwidth, 2 processes, {out.bandwidth['tensors']} tensors:")
+        print(bandwidth_table(out.bandwidth["bandwidth"], out.bandwidth["micro_batch"]))
+    if out.gpt:
+        print("\n" + gpt.table(out.gpt))
+    print("\n".join(out.notes))
+
+
+def _section(args: argparse.Namespace, out: Results, picture: Path | None) -> str:
+    begin, end = _markers(args.device)
+    title = "GPU" if args.device == "cuda" else "CPU"
+    body = [begin, f"## Results on the {title}", "", *(f"- {line}" for line in out.meta), ""]
+
+    def part(heading: str, *blocks: str) -> None:
+        body.extend([f"### {heading}", ""])
+        for block in blocks:
+            body.extend([block, ""])
+
+    if out.rows:
+        charts = []
+        if picture is not None:
+            charts.append(f"![step time / simulated ideal]({_relative(picture, args.markdown)})")
+        part(
+            "Reference workload: every schedule, transport and peer",
+            markdown_table(REFERENCE_HEADER, reference_cells(out.rows)),
+            *charts,
+        )
+        part("Each peer against asyncpipe", markdown_table(SUMMARY_HEADER, summary_cells(out.rows)))
+    if out.twobw:
+        part(
+            "PipeDream-2BW against 1F1B: steady state, no barrier between steps",
+            suite.twobw_table(out.twobw),
+        )
+    if out.memory:
+        part(
+            f"Memory: activations (4, 256, 1024), chunks 8, {max(args.stage_list)} stages",
+            markdown_table(MEMORY_HEADER, memory_cells(out.memory)),
+        )
+    if out.bandwidth:
+        part(
+            f"Activation bandwidth: 2 processes, {out.bandwidth['tensors']} tensors",
+            bandwidth_table(out.bandwidth["bandwidth"], out.bandwidth["micro_batch"]),
+        )
+    if out.gpt:
+        part(
+            "GPT model: training tokens per second",
+            gpt.describe(suite.gpt_options(args), out.gpt),
+            gpt.table(out.gpt),
+        )
+    body += [*(f"- {line}" for line in out.notes), end]
+    return "\n".join(body)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,134 @@
+"""The benchmark suite's pieces: tables and chart on made-up results, placement, options."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from benchmarks.__main__ import Results, _section, parse_args  # noqa: E402
+from benchmarks.gpu import SHARED_GPU_PEERS, placement  # noqa: E402
+from benchmarks.suite import SuiteRow, twobw_table  # noqa: E402
+from benchmarks.suite_report import (  # noqa: E402
+    REFERENCE_HEADER,
+    SUMMARY_HEADER,
+    markdown_table,
+    plot,
+    reference_cells,
+    summary_cells,
+    text_table,
+)
+
+
+def _rows() -> list[SuiteRow]:
+    return [
+        SuiteRow(4, 8, "asyncpipe-gpipe", "p2p", 0.40, 0.36, [2**20] * 4, [8, 8, 8, 8]),
+        SuiteRow(4, 8, "asyncpipe-gpipe", "rpc", 0.50, 0.36),
+        SuiteRow(4, 8, "torch-gpipe", "gloo", 0.44, 0.36),
+        SuiteRow(4, 8, "fairscale-asyncpipe", "rpc", 0.625, 0.36),
+        SuiteRow(4, 8, "fairscale-pipe", "-", 1.0, 0.36),
+        SuiteRow(4, 8, "torch-1f1b", "gloo", error=SHARED_GPU_PEERS),
+    ]
+
+
+def test_reference_table_gives_the_ratio_to_the_ideal_and_to_each_peer() -> None:
+    cells = reference_cells(_rows())
+    assert len(cells[0]) == len(REFERENCE_HEADER)
+    column = {name: i for i, name in enumerate(REFERENCE_HEADER)}
+    p2p, rpc = cells[0], cells[1]
+    assert p2p[column["/simulated"]] == "1.11x"
+    assert p2p[column["asyncpipe / torch same schedule"]] == "0.91x"
+    assert rpc[column["asyncpipe / fairscale AsyncPipe"]] == "0.80x"
+    assert p2p[column["asyncpipe / fairscale Pipe"]] == "0.40x"
+    assert p2p[column["memory per rank MiB"]] == "1.0 / 1.0 / 1.0 / 1.0"
+    assert cells[2][column["asyncpipe / torch same schedule"]] == "-"  # a peer row
+    assert cells[5][column["step ms"]] == f"FAILED: {SHARED_GPU_PEERS}"
+
+
+def test_summary_pairs_each_peer_with_asyncpipes_same_schedule() -> None:
+    cells = {line[0]: line for line in summary_cells(_rows())}
+    assert cells["ScheduleGPipe"][4:] == ["gpipe over p2p", "400.0", "0.91x"]
+    assert cells["fairscale AsyncPipe (RPC, fill-drain)"][4:] == [
+        "gpipe over rpc",
+        "500.0",
+        "0.80x",
+    ]
+    assert cells["Schedule1F1B"][3].startswith("FAILED: not run")
+    text = text_table(SUMMARY_HEADER, summary_cells(_rows()))
+    assert "FAILED [1]" in text and "[1] peer Schedule1F1B" in text
+    table = markdown_table(SUMMARY_HEADER, summary_cells(_rows()))
+    assert table.count("\n") == 1 + 4  # header, rule, one line per peer
+
+
+def test_plot_draws_a_png_per_stage_count(tmp_path: Path) -> None:
+    pytest.importorskip("PIL")
+    from PIL import Image
+
+    rows = _rows() + [SuiteRow(2, 8, "asyncpipe-gpipe", "p2p", 0.6, 0.5)]
+    path = plot(rows, tmp_path / "chart.png", "test")
+    assert path is not None
+    with Image.open(path) as image:
+        assert image.size[0] > 2 * 640 and image.size[1] > 360
+    assert plot([SuiteRow(4, 8, "torch-1f1b", "gloo", error="x")], tmp_path / "n.png", "") is None
+
+
+def test_placement_of_the_cpu_and_of_a_missing_gpu() -> None:
+    cpu = placement("cpu", 4)
+    assert cpu.backend == "gloo" and not cpu.staged and not cpu.cuda
+    assert "gloo" in cpu.describe(4)
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="cuda"):
+            placement("cuda", 4)
+        assert placement("auto", 4).device.type == "cpu"
+
+
+def test_quick_options() -> None:
+    args = parse_args(["--quick", "--device", "cpu", "--only", "reference,gpt"])
+    assert args.stage_list == [4] and args.chunk_list == [8] and args.parts == ["reference", "gpt"]
+    full = parse_args(["--device", "cpu"])
+    assert full.stage_list == [2, 4] and full.chunk_list == [4, 8, 16]
+    with pytest.raises(SystemExit):
+        parse_args(["--only", "nothing"])
+    assert args.no_write and not full.no_write  # a partial run leaves the docs alone
+    assert not parse_args(["--quick", "--markdown", "x.md"]).no_write
+
+
+def test_twobw_table() -> None:
+    rows = [
+        {"stages": 4, "chunks": 8, "limit_s": 0.24, "1f1b_s": 0.36, "2bw_s": 0.264},
+        {"stages": 2, "chunks": 8, "limit_s": 0.48, "error": "the benchmark failed: x"},
+    ]
+    lines = twobw_table(rows).splitlines()
+    assert lines[2] == "| 4 | 8 | 360.0 | 264.0 | 240.0 | 1.10x | 0.73x |"
+    assert lines[3].startswith("| 2 | 8 | did not run: the benchmark failed: x")
+
+
+def test_section_names_the_device_and_carries_every_part(tmp_path: Path) -> None:
+    args = parse_args(["--device", "cpu", "--markdown", str(tmp_path / "page.md")])
+    chart = tmp_path / "_static" / "chart.png"
+    out = Results(meta=["Device: CPU"], rows=_rows(), notes=["fairscale: 0.4.13"])
+    text = _section(args, out, chart)
+    assert text.startswith("<!-- begin: python -m benchmarks device=cpu")
+    assert text.rstrip().endswith("<!-- end: python -m benchmarks device=cpu -->")
+    assert "## Results on the CPU" in text and "(_static/chart.png)" in text
+    assert "### Each peer against asyncpipe" in text and "- fairscale: 0.4.13" in text
+    assert "GPT model" not in text and "(_static" not in _section(args, out, None)
+
+
+@pytest.mark.slow
+def test_suite_runs_end_to_end_and_writes_its_section(tmp_path: Path) -> None:
+    page = tmp_path / "suite.md"
+    command = [sys.executable, "-m", "benchmarks", "--quick", "--device", "cpu"]
+    command += ["--only", "bandwidth,gpt", "--messages", "20", "--markdown", str(page)]
+    command += ["--plot", str(tmp_path / "chart.png")]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    text = page.read_text()
+    assert "device=cpu" in text and "Activation bandwidth" in text and "tokens/s" in text
+    assert "one process" in text
