@@ -38,7 +38,8 @@ def _collect() -> list[object]:
         for block in found:
             if not block.mode:
                 continue  # text: a diagram, a plan or printed output
-            key = (block.mode, block.argument, block.script(), repr(sorted(block.files.items())))
+            files = repr(sorted(block.files.items()))
+            key = (block.mode, block.argument, block.script(), files, *block.needs)
             same.setdefault(key if block.runs else (block.name,), []).append(block)
     params: list[object] = []
     for group in same.values():
