@@ -175,9 +175,9 @@ def _run_console(block: Block, cwd: Path) -> None:
 @pytest.mark.parametrize("block", _collect())
 def test_doc_block(block: Block, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     if block.mode == "skip":
-        pytest.skip(f"not run: {block.argument}")
+        pytest.skip(f"{block.name} not run: {block.argument}")
     if block.mode == "file":
-        pytest.skip(f"written as {block.argument} for the blocks after it")
+        pytest.skip(f"{block.name} written as {block.argument} for the blocks after it")
     for module in block.needs:
         pytest.importorskip(module, reason=f"an example of {module}, which is not installed")
     cwd = _workdir(block, tmp_path)
