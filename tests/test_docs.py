@@ -16,6 +16,7 @@ import pkgutil
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -37,7 +38,8 @@ def _collect() -> list[object]:
         for block in found:
             if not block.mode:
                 continue  # text: a diagram, a plan or printed output
-            key = (block.mode, block.argument, block.script(), repr(sorted(block.files.items())))
+            files = repr(sorted(block.files.items()))
+            key = (block.mode, block.argument, block.script(), files, *block.needs)
             same.setdefault(key if block.runs else (block.name,), []).append(block)
     params: list[object] = []
     for group in same.values():
@@ -85,15 +87,46 @@ def _check(block: Block, result: subprocess.CompletedProcess[str]) -> None:
     )
 
 
-def _run_ranks(block: Block, cwd: Path) -> None:
+class _RankRunner:
+    """One ``tests/forkrun.py --serve`` process per test session: it imports torch once and
+    forks the ranks of every ``torchrun N`` example from there."""
+
+    def __init__(self) -> None:
+        self.process: subprocess.Popen[str] | None = None
+
+    def run(self, block: Block, cwd: Path) -> list[int | None]:
+        if self.process is None or self.process.poll() is not None:
+            command = [sys.executable, str(ROOT / "tests" / "forkrun.py"), "--serve"]
+            self.process = subprocess.Popen(
+                command, env=_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            )
+        assert self.process.stdin is not None and self.process.stdout is not None
+        job = {"cwd": str(cwd), "world": block.processes(), "timeout": TORCHRUN_TIMEOUT}
+        self.process.stdin.write(json.dumps({**job, "script": "example.py"}) + "\n")
+        self.process.stdin.flush()
+        answer = self.process.stdout.readline()
+        assert answer, f"the rank runner ended (exit status {self.process.wait()})"
+        codes: list[int | None] = json.loads(answer)
+        return codes
+
+    def close(self) -> None:
+        if self.process is not None and self.process.stdin is not None:
+            self.process.stdin.close()
+            self.process.wait(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def rank_runner() -> Iterator[_RankRunner]:
+    runner = _RankRunner()
+    yield runner
+    runner.close()
+
+
+def _run_ranks(block: Block, cwd: Path, runner: _RankRunner) -> None:
     """Run the script as every rank of a gloo job on loopback, with the environment torchrun
-    gives its workers; the ranks are forked from one interpreter that has imported torch
-    (tests/forkrun.py), which saves an interpreter start per rank. Every rank must exit with
-    status 0 within the timeout."""
-    command = [sys.executable, str(ROOT / "tests" / "forkrun.py"), str(block.processes())]
-    result = _run([*command, str(TORCHRUN_TIMEOUT), "example.py"], cwd, TORCHRUN_TIMEOUT + 30)
-    _check(block, result)
-    codes = json.loads(result.stdout.splitlines()[-1])
+    gives its workers, the ranks forked by ``runner``. Every rank must exit with status 0
+    within the timeout."""
+    codes = runner.run(block, cwd)
     failed = [(rank, code) for rank, code in enumerate(codes) if code != 0]
     assert not failed, "\n".join(
         f"{block.name} ({block.mode} {block.argument}): rank {rank} "
@@ -140,11 +173,11 @@ def _run_console(block: Block, cwd: Path) -> None:
 
 
 @pytest.mark.parametrize("block", _collect())
-def test_doc_block(block: Block, tmp_path: Path) -> None:
+def test_doc_block(block: Block, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     if block.mode == "skip":
-        pytest.skip(f"not run: {block.argument}")
+        pytest.skip(f"{block.name} not run: {block.argument}")
     if block.mode == "file":
-        pytest.skip(f"written as {block.argument} for the blocks after it")
+        pytest.skip(f"{block.name} written as {block.argument} for the blocks after it")
     for module in block.needs:
         pytest.importorskip(module, reason=f"an example of {module}, which is not installed")
     cwd = _workdir(block, tmp_path)
@@ -153,7 +186,7 @@ def test_doc_block(block: Block, tmp_path: Path) -> None:
         _check(block, _run([sys.executable, "example.py"], cwd, PYTHON_TIMEOUT))
     elif block.mode == "torchrun":
         (cwd / "example.py").write_text(block.script())
-        _run_ranks(block, cwd)
+        _run_ranks(block, cwd, request.getfixturevalue("rank_runner"))
     elif block.mode == "shell":
         _check(block, _run(["bash", "-euo", "pipefail", "-c", block.text], cwd, PYTHON_TIMEOUT))
     elif block.mode == "console":
