@@ -127,6 +127,9 @@ def _run_ranks(block: Block, cwd: Path, runner: _RankRunner) -> None:
     gives its workers, the ranks forked by ``runner``. Every rank must exit with status 0
     within the timeout."""
     codes = runner.run(block, cwd)
+    if any(code != 0 for code in codes) and _port_taken(cwd, len(codes)):
+        # the free port picked for the rendezvous was taken by another test meanwhile
+        codes = runner.run(block, cwd)
     failed = [(rank, code) for rank, code in enumerate(codes) if code != 0]
     assert not failed, "\n".join(
         f"{block.name} ({block.mode} {block.argument}): rank {rank} "
@@ -135,6 +138,11 @@ def _run_ranks(block: Block, cwd: Path, runner: _RankRunner) -> None:
         + f"\n--- stderr\n{_clip((cwd / f'rank{rank}.err').read_text())}"
         for rank, code in failed
     )
+
+
+def _port_taken(cwd: Path, world: int) -> bool:
+    errors = [cwd / f"rank{rank}.err" for rank in range(world)]
+    return any(path.exists() and "EADDRINUSE" in path.read_text() for path in errors)
 
 
 def _clip(text: str, keep: int = 4000) -> str:
