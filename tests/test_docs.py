@@ -328,10 +328,11 @@ def test_rank_runner_reports_failed_and_hung_ranks(tmp_path: Path) -> None:
     (tmp_path / "job.py").write_text(
         "import os, sys, time\n"
         "rank = int(os.environ['RANK'])\n"
-        "if rank == 2:\n    time.sleep(60)\n"
+        "if rank == 2:\n    time.sleep(300)\n"
         "sys.exit(3 if rank == 1 else 0)\n"
     )
-    command = [sys.executable, str(ROOT / "tests" / "forkrun.py"), "3", "4", "job.py"]
-    result = _run(command, tmp_path, 60)
+    # rank 2 is killed 10 s after rank 1 failed, well before the 60 s timeout
+    command = [sys.executable, str(ROOT / "tests" / "forkrun.py"), "3", "60", "job.py"]
+    result = _run(command, tmp_path, 120)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout.splitlines()[-1]) == [0, 3, None]

@@ -103,8 +103,9 @@ def test_bubble_is_a_fraction_near_the_simulated_one(gloo_run: Path) -> None:
         assert measured[s.step] == pytest.approx(s.bubble, abs=1e-6)
     assert ideal[2] == pytest.approx(steps[2].ideal(plans[steps[2].plan]).total_bubble, abs=1e-6)
     # the closest of the warm steps to its own ideal: a busy machine may delay any single step
+    # (two cores shared by several test workers have added up to 0.15 of idle time)
     gaps = [abs(s.bubble - s.ideal(plans[s.plan]).total_bubble) for s in steps[1:]]
-    assert min(gaps) < 0.1, (measured, ideal, gaps)
+    assert min(gaps) < 0.25, (measured, ideal, gaps)
     for rank in range(3):
         idle = board.Scalars(f"idle_fraction/rank{rank}")
         assert all(0 < e.value < 1 for e in idle)
