@@ -17,7 +17,7 @@ import torch
 
 from . import gpt, suite
 from .gpipe import _load, _machine, _revision, replace_section
-from .gpu import placement
+from .gpu import SHARED_GPU_NOTE, placement
 from .launch import REPO_ROOT
 from .peers import fairscale_version
 from .schedules import MEMORY_HEADER, MemoryRow, memory_cells
@@ -142,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     costs = calibrate_layer(args.f_ms, args.micro_batch, "small")
     load_before = _load()
     out = Results(notes=[f"fairscale: {fairscale_version()}"])
+    if where.staged:
+        out.notes.append(SHARED_GPU_NOTE)
     with tempfile.TemporaryDirectory(prefix="asyncpipe-suite-") as tmp:
         work = args.keep_logs or Path(tmp)
         if "reference" in args.parts:
