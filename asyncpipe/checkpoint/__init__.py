@@ -1,10 +1,12 @@
 """Checkpoints of a pipeline: save and load one file per stage, reshard, and stop gracefully.
 
 Example:
-    >>> from asyncpipe import checkpoint                                   # doctest: +SKIP
-    >>> checkpoint.save(pipe, optimizer, "ckpt", step=100)                 # every rank
-    >>> step = checkpoint.load(pipe, optimizer, "ckpt").step               # any balance
-    >>> model.load_state_dict(checkpoint.consolidate("ckpt"))              # the plain model
+    Save and load on every rank (onto any balance), then rebuild the plain model in one process:
+
+    >>> from asyncpipe import checkpoint
+    >>> checkpoint.save(pipe, optimizer, "ckpt", step=100)  # doctest: +SKIP
+    >>> step = checkpoint.load(pipe, optimizer, "ckpt").step  # doctest: +SKIP
+    >>> model.load_state_dict(checkpoint.consolidate("ckpt"))  # doctest: +SKIP
 """
 
 from .files import Manifest, consolidate, load, read_manifest, save
