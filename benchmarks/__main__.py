@@ -17,7 +17,7 @@ import torch
 
 from . import gpt, suite
 from .gpipe import _load, _machine, _revision, replace_section
-from .gpu import placement
+from .gpu import SHARED_GPU_NOTE, placement
 from .launch import REPO_ROOT
 from .peers import fairscale_version
 from .schedules import MEMORY_HEADER, MemoryRow, memory_cells
@@ -43,21 +43,29 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks",
         description="Run the benchmark suite: every asyncpipe schedule over p2p and rpc against "
-        "torch.distributed.pipelining and fairscale on the reference workload, peak memory, "
-        "activation bandwidth and the GPT model; print the tables and write them (and a bar "
-        "chart) into docs/.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        "torch.distributed.pipelining and fairscale on the reference workload, PipeDream-2BW "
+        "against 1F1B, peak memory, activation bandwidth and the GPT model; print the tables "
+        "and, for a full run, write them (and a bar chart) into docs/.",
     )
     parser.add_argument("--quick", action="store_true", help="4 stages, chunks 8, few steps")
-    parser.add_argument("--only", default=",".join(suite.PARTS), help="parts to run")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument(
+        "--only",
+        default=",".join(suite.PARTS),
+        help=f"parts to run (default {','.join(suite.PARTS)})",
+    )
+    parser.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="auto (default): CUDA where available",
+    )
     parser.add_argument("--stages", default=None, help="pipeline ranks (default 2,4)")
     parser.add_argument("--chunks", default=None, help="micro-batches (default 4,8,16)")
-    parser.add_argument("--f-ms", type=float, default=5.0, help="forward sleep per layer (ms)")
-    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--f-ms", type=float, default=5.0, help="forward sleep per layer, ms (5)")
+    parser.add_argument("--micro-batch", type=int, default=4, help="rows per micro-batch (4)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 6)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps (default 2)")
-    parser.add_argument("--messages", type=int, default=None, help="bandwidth messages")
+    parser.add_argument("--messages", type=int, default=None, help="bandwidth messages (300)")
     parser.add_argument(
         "--markdown",
         type=Path,
@@ -65,7 +73,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help=f"page to write the results in (default for a full run: {DOC.relative_to(REPO_ROOT)}"
         "; a --quick or --only run writes only where this is given)",
     )
-    parser.add_argument("--plot", type=Path, default=None, help="bar chart (PNG)")
+    parser.add_argument(
+        "--plot", type=Path, default=None, help="bar chart (default docs/_static/...<device>.png)"
+    )
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs alone")
     parser.add_argument("--json", type=Path, default=None, help="write every number here")
     parser.add_argument("--keep-logs", type=Path, default=None, help="keep worker files here")
@@ -132,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     costs = calibrate_layer(args.f_ms, args.micro_batch, "small")
     load_before = _load()
     out = Results(notes=[f"fairscale: {fairscale_version()}"])
+    if where.staged:
+        out.notes.append(SHARED_GPU_NOTE)
     with tempfile.TemporaryDirectory(prefix="asyncpipe-suite-") as tmp:
         work = args.keep_logs or Path(tmp)
         if "reference" in args.parts:

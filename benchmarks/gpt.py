@@ -224,7 +224,8 @@ def table(results: list[dict[str, Any]]) -> str:
     ]
     for r in results:
         if "error" in r:
-            lines.append(f"| {SYSTEMS[r['system']]} | did not run: {r['error']} | | | | |")
+            why = r["error"] if r["error"].startswith("not run") else f"did not run: {r['error']}"
+            lines.append(f"| {SYSTEMS[r['system']]} | {why} | | | | |")
             continue
         versus = "-" if base is None else f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x"
         last = r["losses"][-1]

@@ -16,13 +16,17 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SHARED_GPU_PEERS", "Placement", "placement", "synchronize"]
+__all__ = ["SHARED_GPU_NOTE", "SHARED_GPU_PEERS", "Placement", "placement", "synchronize"]
 
-SHARED_GPU_PEERS = (
-    "not run: processes share a GPU, NCCL refuses two ranks on one GPU and gloo cannot send "
-    "CUDA tensors (run one process per GPU for this peer)"
+SHARED_GPU_PEERS = "not run: needs a GPU per process"
+"""What a peer's row says when processes share GPUs (:data:`SHARED_GPU_NOTE` says why)."""
+
+SHARED_GPU_NOTE = (
+    "Processes share a GPU: torch.distributed.pipelining and fairscale's AsyncPipe are not run, "
+    "since NCCL refuses two ranks on one GPU and gloo cannot send the CUDA tensors these peers "
+    "send themselves; asyncpipe's transports stage messages through host memory."
 )
-"""Why a peer is not run when processes share GPUs."""
+"""The report's note on a run whose processes share GPUs."""
 
 
 @dataclass(frozen=True)

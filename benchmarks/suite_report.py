@@ -65,6 +65,11 @@ def _ratio_to(rows: dict[tuple[int, int, str], SuiteRow], row: SuiteRow, peer: s
     return _x(row.step_s / other.step_s)
 
 
+def _failed(error: str) -> str:
+    """A row's error as its cell: ``FAILED: ...``, or the reason a peer was not run."""
+    return error if error.startswith("not run") else f"FAILED: {error}"
+
+
 def _mib(values: Sequence[float]) -> str:
     return "-" if not values else " / ".join(f"{v / 2**20:.1f}" for v in values)
 
@@ -88,7 +93,7 @@ def reference_cells(rows: list[SuiteRow]) -> list[list[str]]:
                 str(row.chunks),
                 _label(row),
                 row.transport,
-                _ms(row.step_s) if row.error is None else f"FAILED: {row.error}",
+                _ms(row.step_s) if row.error is None else _failed(row.error),
                 _ms(row.simulated_s),
                 _x(row.vs_simulated),
                 *ratios,
@@ -112,7 +117,7 @@ def summary_cells(rows: list[SuiteRow]) -> list[list[str]]:
         ratio = "-"
         if mine_s is not None and row.step_s is not None:
             ratio = _x(mine_s / row.step_s)
-        theirs = _ms(row.step_s) if row.error is None else f"FAILED: {row.error}"
+        theirs = _ms(row.step_s) if row.error is None else _failed(row.error)
         cells.append(
             [
                 _label(row),

@@ -33,6 +33,7 @@ def _rows() -> list[SuiteRow]:
         SuiteRow(4, 8, "torch-gpipe", "gloo", 0.44, 0.36),
         SuiteRow(4, 8, "fairscale-asyncpipe", "rpc", 0.625, 0.36),
         SuiteRow(4, 8, "fairscale-pipe", "-", 1.0, 0.36),
+        SuiteRow(2, 8, "fairscale-pipe", "-", error="ModuleNotFoundError: No module named 'x'"),
         SuiteRow(4, 8, "torch-1f1b", "gloo", error=SHARED_GPU_PEERS),
     ]
 
@@ -48,7 +49,8 @@ def test_reference_table_gives_the_ratio_to_the_ideal_and_to_each_peer() -> None
     assert p2p[column["asyncpipe / fairscale Pipe"]] == "0.40x"
     assert p2p[column["memory per rank MiB"]] == "1.0 / 1.0 / 1.0 / 1.0"
     assert cells[2][column["asyncpipe / torch same schedule"]] == "-"  # a peer row
-    assert cells[5][column["step ms"]] == f"FAILED: {SHARED_GPU_PEERS}"
+    assert cells[5][column["step ms"]] == "FAILED: ModuleNotFoundError: No module named 'x'"
+    assert cells[6][column["step ms"]] == SHARED_GPU_PEERS  # not run: no "FAILED"
 
 
 def test_summary_pairs_each_peer_with_asyncpipes_same_schedule() -> None:
@@ -59,11 +61,11 @@ def test_summary_pairs_each_peer_with_asyncpipes_same_schedule() -> None:
         "500.0",
         "0.80x",
     ]
-    assert cells["Schedule1F1B"][3].startswith("FAILED: not run")
+    assert cells["Schedule1F1B"][3] == SHARED_GPU_PEERS
     text = text_table(SUMMARY_HEADER, summary_cells(_rows()))
-    assert "FAILED [1]" in text and "[1] peer Schedule1F1B" in text
+    assert "FAILED [1]" in text and "[1] peer fairscale Pipe (one process), stages 2" in text
     table = markdown_table(SUMMARY_HEADER, summary_cells(_rows()))
-    assert table.count("\n") == 1 + 4  # header, rule, one line per peer
+    assert table.count("\n") == 1 + 5  # header, rule, one line per peer row
 
 
 def test_plot_draws_a_png_per_stage_count(tmp_path: Path) -> None:
