@@ -52,8 +52,10 @@ class Stream:
         self.runtime = runtime
         self.microbatches = microbatches
         plan = validate(lower(two_bw(stages, microbatches, batches=2), runtime.routes.edges()))
-        first, steady, drain = windows(plan, stages, microbatches, batches=2)[runtime.rank]
+        cut = windows(plan, stages, microbatches, batches=2)
+        first, steady, drain = cut[runtime.rank]
         self.windows = {"first": first, "steady": steady, "drain": drain}
+        self._crossing = _crossing(steady, [row[0] for row in cut.values()], microbatches)
         self.versions = WeightVersions(params)
         self.previous: Work | None = None
         """The mini-batch whose last backwards the next window (or the drain) runs."""
@@ -95,6 +97,7 @@ class Stream:
             loss = self._read_news()
         self._unread, self._status = posted, status
         self._post(self.windows["steady"], {0: work}, only=0)
+        self._take_crossing(work)
         self.runtime.transport.flush(self.runtime.timeout)
         self.previous = work
         self.batches += 1
@@ -167,6 +170,19 @@ class Stream:
             mine = Action(a.stage, a.kind, a.microbatch % m, a.peer)
             if owner is not None and mine not in owner.pending:
                 owner.pending[mine] = transport.recv(*self.runtime.channel(mine), mine.microbatch)
+
+    def _take_crossing(self, work: Work) -> None:
+        """Take now the messages of the mini-batch in flight that peers sent in this window
+        for the next one. A large message (or the first of its size) travels as a header and
+        then its tensors, and the sender's end-of-window wait for its sends returns only once
+        the tensors are taken: left for the next window, anything between two steps that waits
+        on the sender (a barrier, a checkpoint) would wait forever."""
+        if not self.runtime.transport.early_receives:
+            return
+        for mine in self._crossing:
+            pending = work.pending.get(mine)
+            if pending is not None and not isinstance(pending, _Taken):
+                work.pending[mine] = _Taken(pending.wait(self.runtime.timeout))
 
     # ----- one window ----------------------------------------------------------------------
 
@@ -252,6 +268,31 @@ class Stream:
                 yield
         else:
             yield
+
+
+class _Taken(PendingRecv):
+    """A message taken ahead of the receive action that uses it."""
+
+    def __init__(self, message: Message) -> None:
+        self.message = message
+
+    def wait(self, timeout: float) -> Message:
+        return self.message
+
+
+def _crossing(steady: list[Action], first: list[list[Action]], microbatches: int) -> list[Action]:
+    """The receives of the next window that take what peers sent in the current one: in the
+    steady window, the receives of the older mini-batch (number 0) whose sends are in their
+    sender's first window (the windows repeat, so the same holds between any two)."""
+    opposite = {Kind.RECV_F: Kind.SEND_F, Kind.RECV_B: Kind.SEND_B}
+    sent = {a for row in first for a in row if a.kind.is_send}
+    out = []
+    for a in steady:
+        if a.kind.is_recv and a.microbatch // microbatches == 0:
+            assert a.peer is not None
+            if Action(a.peer, opposite[a.kind], a.microbatch, a.stage) in sent:
+                out.append(Action(a.stage, a.kind, a.microbatch % microbatches, a.peer))
+    return out
 
 
 def check_two_bw_options(pipe: Any, shared_weights: object, trace: object) -> None:

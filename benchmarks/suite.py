@@ -206,10 +206,8 @@ def run_twobw(args: argparse.Namespace) -> list[dict[str, Any]]:
         for chunks in args.chunk_list:
             argv = [
                 f"--f-ms={args.f_ms}", f"--chunks={chunks}", f"--micro-batch={args.micro_batch}",
-                "--shape=small", f"--warmup={max(2, args.warmup)}", f"--steps={args.steps}",
+                "--shape=small", f"--warmup={args.warmup}", f"--steps={args.steps}",
             ]  # fmt: skip
-            # With exactly one warm-up step, the barrier benchmarks.twobw takes after the
-            # warm-up stalls the 2BW ranks (a gloo receive times out); two or more do not.
             limit = chunks * 3 * args.f_ms / 1000 * args.layers / stages
             row: dict[str, Any] = {"stages": stages, "chunks": chunks, "limit_s": limit}
             print(f"2bw and 1f1b, {stages} stages, chunks {chunks}", file=sys.stderr)

@@ -267,6 +267,51 @@ def test_2bw_over_gloo_matches_the_delayed_update_reference(world: int, policy: 
         torch.testing.assert_close(state[name], tensor, rtol=1e-5, atol=1e-6)
 
 
+def _wide(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(512, 512), nn.Tanh()) for _ in range(4)])
+
+
+def _wide_batches(steps: int) -> list[tuple[Tensor, Tensor]]:
+    generator = torch.Generator().manual_seed(3)
+    return [
+        (torch.randn(1024, 512, generator=generator), torch.randn(1024, 512, generator=generator))
+        for _ in range(steps)
+    ]
+
+
+def _barrier_worker(rank: int, world: int, steps: int) -> tuple[list[float], dict]:
+    torch.set_num_threads(1)
+    pipe = AsyncPipe(_wide(), [2, 2], chunks=4, schedule="2bw", timeout=60)
+    opt = adam(pipe.parameters())
+    out = []
+    for x, y in _wide_batches(steps):
+        out.append(pipe.step(x, y, mse, optimizer=opt))
+        torch.distributed.barrier()  # after every step, the first one too
+    out.append(pipe.flush())
+    return out, pipe.state_dict()
+
+
+@pytest.mark.slow
+def test_2bw_with_a_barrier_after_every_step_and_large_messages() -> None:
+    # Micro-batches of (256, 512) float32 (512 KiB) always travel as a header and then their
+    # tensors; a gradient sent in one window for the next must be taken before the barrier.
+    from tests.spawn import run_ranks
+
+    steps = 3
+    results = run_ranks(_barrier_worker, 2, steps, timeout=240)
+    want, plain = delayed_reference(_wide(), _wide_batches(steps), 4, {steps - 1})
+    state: dict[str, Tensor] = {}
+    for losses, part in results:
+        state.update(part)
+        assert all(
+            (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-4)
+            for a, b in zip(losses, want, strict=True)
+        )
+    for name, tensor in plain.state_dict().items():
+        torch.testing.assert_close(state[name], tensor, rtol=1e-4, atol=1e-5)
+
+
 def test_memory_is_two_weight_versions_and_1f1b_activations() -> None:
     plain, data = model(), batches(4, rows=16)
 
