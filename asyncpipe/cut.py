@@ -27,6 +27,8 @@ import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
+from .recompute import forked_rng
+
 __all__ = ["CutPoint", "CutSegment", "sequentialize"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -184,7 +186,7 @@ def _values(gm: fx.GraphModule, args: tuple[Any, ...]) -> dict[fx.Node, Any]:
             return value
 
     buffers = [(b, b.detach().clone()) for b in gm.buffers()]
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
+    with forked_rng(), torch.no_grad():
         try:
             Recorder(gm).run(*args)
         finally:

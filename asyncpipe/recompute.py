@@ -10,6 +10,7 @@ dropout masks match, then back-propagates::
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -17,6 +18,12 @@ from dataclasses import dataclass
 import torch
 
 __all__: list[str] = []
+
+# torch's default generators belong to the process, and so does the lock that keeps two threads
+# (stages of one process, e.g. over the in-process transport) from saving and restoring them at
+# once: torch.get_rng_state and torch.set_rng_state racing in two threads can deadlock, and a
+# replay must not see another thread's restored state.
+_GENERATORS = threading.RLock()
 
 POLICIES = ("always", "except_last", "never")
 
@@ -30,6 +37,13 @@ def checkpointed(policy: str, microbatch: int, microbatches: int) -> bool:
     return False
 
 
+@contextmanager
+def forked_rng() -> Iterator[None]:
+    """``torch.random.fork_rng`` of the CPU generator, one thread at a time."""
+    with _GENERATORS, torch.random.fork_rng(devices=[]):
+        yield
+
+
 @dataclass(frozen=True)
 class RNGState:
     """The CPU generator state and, where CUDA is in use, the current device's state."""
@@ -40,16 +54,17 @@ class RNGState:
 
     @classmethod
     def save(cls, device: torch.device) -> RNGState:
-        if device.type == "cuda":
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            return cls(torch.get_rng_state(), torch.cuda.get_rng_state(index), index)
-        return cls(torch.get_rng_state(), None, None)
+        with _GENERATORS:
+            if device.type == "cuda":
+                index = device.index if device.index is not None else torch.cuda.current_device()
+                return cls(torch.get_rng_state(), torch.cuda.get_rng_state(index), index)
+            return cls(torch.get_rng_state(), None, None)
 
     @contextmanager
     def restored(self) -> Iterator[None]:
         """Run the body with this state, then put the generators back as they were."""
         devices = [] if self.device is None else [self.device]
-        with torch.random.fork_rng(devices=devices):
+        with _GENERATORS, torch.random.fork_rng(devices=devices):
             torch.set_rng_state(self.cpu)
             if self.cuda is not None and self.device is not None:
                 torch.cuda.set_rng_state(self.cuda, self.device)

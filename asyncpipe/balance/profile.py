@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from ..lazy import LazyModule
+from ..recompute import forked_rng
 
 __all__ = ["LayerProfile", "Profile", "profile"]
 
@@ -117,7 +118,7 @@ def unchanged(layers: Sequence[nn.Module]) -> Iterator[None]:
     grads = {key: p.grad for key, p in params.items()}
     buffers = [(b, b.detach().clone()) for layer in layers for b in layer.buffers()]
     modes = [(m, m.training) for layer in layers for m in layer.modules()]
-    with torch.random.fork_rng(devices=[]):
+    with forked_rng():
         try:
             for p in params.values():
                 p.grad = None
