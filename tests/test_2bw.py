@@ -256,15 +256,26 @@ def test_2bw_over_gloo_matches_the_delayed_update_reference(world: int, policy: 
     steps = 4
     results = run_ranks(_gloo_worker, world, policy, steps, timeout=180)
     want, plain = delayed_reference(model(), batches(steps), 4, {steps - 1})
+    _check_ranks(results, want, plain, rel=1e-5, atol=1e-6)
+
+
+def _check_ranks(
+    results: list[tuple[list[float], dict]],
+    want: list[float],
+    plain: nn.Module,
+    rel: float,
+    atol: float,
+) -> None:
+    """Every rank returned the reference's losses, and the ranks' states make its weights."""
     state: dict[str, Tensor] = {}
     for losses, part in results:
         state.update(part)
         assert all(
-            (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-5)
+            (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=rel)
             for a, b in zip(losses, want, strict=True)
         )
     for name, tensor in plain.state_dict().items():
-        torch.testing.assert_close(state[name], tensor, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(state[name], tensor, rtol=rel, atol=atol)
 
 
 def _wide(seed: int = 0) -> nn.Sequential:
@@ -301,15 +312,7 @@ def test_2bw_with_a_barrier_after_every_step_and_large_messages() -> None:
     steps = 3
     results = run_ranks(_barrier_worker, 2, steps, timeout=240)
     want, plain = delayed_reference(_wide(), _wide_batches(steps), 4, {steps - 1})
-    state: dict[str, Tensor] = {}
-    for losses, part in results:
-        state.update(part)
-        assert all(
-            (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-4)
-            for a, b in zip(losses, want, strict=True)
-        )
-    for name, tensor in plain.state_dict().items():
-        torch.testing.assert_close(state[name], tensor, rtol=1e-4, atol=1e-5)
+    _check_ranks(results, want, plain, rel=1e-4, atol=1e-5)
 
 
 def test_memory_is_two_weight_versions_and_1f1b_activations() -> None:
