@@ -59,6 +59,15 @@ def errors(
     return abs(loss - want_loss), _diff(pipe, dict(enumerate(grads)), model)
 
 
+def check_errors(results: list[dict[str, tuple[float, float]]]) -> None:
+    """Every rank ran some checks, each within 1e-5 of the plain model (``transparency``)."""
+    for rank, checks in enumerate(results):
+        assert checks, rank
+        for key, (loss_error, grad_error) in checks.items():
+            assert loss_error < 1e-5, f"rank {rank} {key}: loss off by {loss_error}"
+            assert grad_error < 1e-5, f"rank {rank} {key}: gradients off by {grad_error}"
+
+
 def transparency(
     rank: int,
     world: int,

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from gloo_workers import transparency
+from gloo_workers import check_errors, transparency
 from models import mlp, reference
 from spawn import run_ranks
 from threads import run_threads, values
@@ -110,14 +110,6 @@ def _on_shared_gpu(
             asyncpipe.shutdown()
 
 
-def _check(results: list[dict[str, tuple[float, float]]]) -> None:
-    for rank, checks in enumerate(results):
-        assert checks, rank
-        for key, (loss_error, grad_error) in checks.items():
-            assert loss_error < 1e-5, f"rank {rank} {key}: loss off by {loss_error}"
-            assert grad_error < 1e-5, f"rank {rank} {key}: gradients off by {grad_error}"
-
-
 @cuda
 @pytest.mark.slow
 @pytest.mark.parametrize("transport", ["p2p", "rpc"])
@@ -125,7 +117,7 @@ def test_two_processes_sharing_a_gpu_match_the_plain_model(transport: str) -> No
     schedules = ("gpipe", "1f1b", "zero_bubble")
     balances, chunks = [[2, 2], [1, 3]], [1, 2, 4]
     results = run_ranks(_on_shared_gpu, 2, transport, schedules, balances, chunks, timeout=300)
-    _check(results)
+    check_errors(results)
     assert len(results[0]) == len(schedules) * 2 * 3 * 3
 
 
@@ -134,8 +126,8 @@ def test_two_processes_sharing_a_gpu_match_the_plain_model(transport: str) -> No
 def test_four_processes_sharing_a_gpu_interleaved_match_the_plain_model() -> None:
     one = run_ranks(_on_shared_gpu, 4, "p2p", ("gpipe",), [[1, 2, 2, 1]], [4, 8], timeout=300)
     two = run_ranks(_on_shared_gpu, 4, "p2p", ("interleaved",), [[1] * 8], [4, 8], timeout=300)
-    _check(one)
-    _check(two)
+    check_errors(one)
+    check_errors(two)
     assert len(one[0]) == len(two[0]) == 2 * 3
 
 

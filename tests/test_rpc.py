@@ -3,18 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from gloo_workers import check_errors
 from rpc_workers import driver, driver_dies, driver_elsewhere, rpc_skips, rpc_transparency
 from spawn import run_ranks, run_ranks_raw
 
 pytestmark = pytest.mark.slow
-
-
-def _check(results: list[dict[str, tuple[float, float]]]) -> None:
-    for rank, checks in enumerate(results):
-        assert checks, rank
-        for key, (loss_error, grad_error) in checks.items():
-            assert loss_error < 1e-5, f"rank {rank} {key}: loss off by {loss_error}"
-            assert grad_error < 1e-5, f"rank {rank} {key}: gradients off by {grad_error}"
 
 
 def test_rpc_two_processes_every_schedule_and_policy() -> None:
@@ -27,7 +20,7 @@ def test_rpc_two_processes_every_schedule_and_policy() -> None:
         ("always", "except_last", "never"),
         timeout=240,
     )
-    _check(results)
+    check_errors(results)
     assert len(results[0]) == 2 * 2 * 3 * 3
 
 
@@ -37,7 +30,7 @@ def test_rpc_three_processes_interleaved_and_skips() -> None:
         for schedule in ("gpipe", "1f1b", "zero_bubble")
     ]
     cases.append(("six", [1] * 6, "interleaved", "always", 3))
-    _check(run_ranks(rpc_skips, 3, cases, timeout=240))
+    check_errors(run_ranks(rpc_skips, 3, cases, timeout=240))
 
 
 @pytest.mark.parametrize("world,schedule", [(2, "gpipe"), (4, "1f1b")])
