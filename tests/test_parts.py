@@ -9,7 +9,14 @@ from torch import nn
 from asyncpipe.microbatch import gather, scatter
 from asyncpipe.partition import Invocation, Location, partition
 from asyncpipe.transport import Message
-from asyncpipe.transport.p2p import decode_header, encode_header, layout
+from asyncpipe.transport.p2p import (
+    decode_header,
+    encode_header,
+    layout,
+    pack,
+    read_fields,
+    unpack,
+)
 
 
 def test_partition_without_reuse() -> None:
@@ -67,6 +74,36 @@ def test_header_round_trip() -> None:
     offsets, size = layout(len(fields), specs)
     assert size == total and all(o % 64 == 0 for o in offsets)
     assert offsets[2] - offsets[0] >= 3 * 4 * 4 and total - offsets[2] >= 5 * 8
+
+
+def test_packed_message_round_trip() -> None:
+    """Every kind of tensor a stage may send comes out of a packed message bit for bit:
+    strided views, zero elements, lazily conjugated complex, bool, bf16, scalars, None."""
+    base = torch.randn(6, 5)
+    payload: list[torch.Tensor | None] = [
+        torch.randn(3, 4, requires_grad=True),
+        base.t(),  # not contiguous
+        base[1:4, 2],  # a strided slice
+        torch.empty(0, 7),
+        torch.randn(4, dtype=torch.complex64).conj(),  # conjugate bit set, data not conjugated
+        torch.tensor([True, False, True]),
+        torch.randn(5).to(torch.bfloat16),
+        torch.tensor(7, dtype=torch.int64),
+        None,
+    ]
+    message = Message(3, 8, tuple(payload))
+    fields = encode_header(message, payload)
+    offsets, total = layout(len(fields), decode_header(fields)[4])
+    buffer = pack(fields, offsets, payload)
+    assert buffer.numel() == total
+    assert read_fields(buffer) == fields
+    for sent, got in zip(payload, unpack(buffer, fields)):
+        if sent is None:
+            assert got is None
+            continue
+        assert got is not None
+        assert got.dtype == sent.dtype and got.shape == sent.shape
+        assert torch.equal(got, sent.detach().resolve_conj())
 
 
 def test_header_rejects_too_many_tensors() -> None:

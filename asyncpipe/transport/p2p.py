@@ -21,9 +21,11 @@ memory and received tensors are moved to the transport's device.
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import re
 import time
+from array import array
 from collections.abc import Sequence
 
 import torch
@@ -106,6 +108,51 @@ def _encode(message: Message, payload: Sequence[Tensor | None]) -> tuple[list[in
     return fields, offsets
 
 
+def pack(fields: Sequence[int], offsets: Sequence[int], payload: Sequence[Tensor | None]) -> Tensor:
+    """One host-memory message holding the header ``fields`` and the tensors at ``offsets``.
+
+    Host tensors are copied with one ``memmove`` each rather than through torch's dispatcher:
+    a message of a few KiB costs a handful of microseconds instead of tens, which matters on
+    the critical path of every pipeline hop."""
+    buffer = torch.empty(fields[5], dtype=torch.uint8)
+    base = buffer.data_ptr()
+    header = array("q", fields).tobytes()
+    ctypes.memmove(base, header, len(header))
+    for tensor, offset in zip(payload, offsets):
+        if tensor is None:
+            continue
+        if tensor.device.type == "cpu" and not tensor.is_complex() and tensor.is_contiguous():
+            if tensor.numel():
+                ctypes.memmove(base + offset, tensor.data_ptr(), tensor.nbytes)
+        else:  # another device, a strided view, or a lazily conjugated complex tensor
+            flat = tensor.detach().resolve_conj().contiguous().view(-1).view(torch.uint8)
+            buffer[offset : offset + flat.numel()].copy_(flat)
+    return buffer
+
+
+def unpack(buffer: Tensor, fields: Sequence[int]) -> list[Tensor | None]:
+    """The tensors of a packed message (views into ``buffer``), given its header fields."""
+    specs = _specs(fields)
+    offsets, _ = layout(len(fields), specs)
+    tensors: list[Tensor | None] = []
+    for (code, _, shape), offset in zip(specs, offsets):
+        if code < 0:
+            tensors.append(None)
+            continue
+        data = buffer[offset : offset + _nbytes(code, shape)]
+        tensors.append(data.view(_DTYPES[code]).view(shape))
+    return tensors
+
+
+def read_fields(buffer: Tensor) -> list[int]:
+    """The header fields at the start of a received host-memory message (checked)."""
+    base = buffer.data_ptr()
+    head = list((ctypes.c_int64 * 2).from_address(base))
+    if head[0] != _MAGIC or not 7 <= head[1] <= HEADER_SIZE:
+        decode_header(head)  # raises the explanation
+    return list((ctypes.c_int64 * head[1]).from_address(base))
+
+
 def _specs(fields: Sequence[int]) -> list[Spec]:
     specs, n = [], 7
     for _ in range(fields[6]):
@@ -179,10 +226,9 @@ class _P2PRecv(PendingRecv):
     def wait(self, timeout: float) -> Message:
         self._wait(self.work, timeout, "a message")
         self.work = None  # hold no finished Work: gloo may abort on them at interpreter exit
-        head = self.buffer[:16].cpu().view(torch.int64).tolist()
-        if head[0] != _MAGIC or not 7 <= head[1] <= HEADER_SIZE:
-            decode_header(head)  # raises the explanation
-        fields = self.buffer[: 8 * head[1]].cpu().view(torch.int64).tolist()
+        fields = read_fields(
+            self.buffer if self.buffer.device.type == "cpu" else self.buffer[:HEADER_BYTES].cpu()
+        )
         if fields[2] == _ERROR:
             return Message(fields[3], fields[4], (), error=_error_text(fields))
         kind, microbatch, microbatches, total, specs = decode_header(fields)
@@ -190,13 +236,7 @@ class _P2PRecv(PendingRecv):
         key = (self.src, self.channel, self.slot)
         tensors: list[Tensor | None] = []
         if kind == _PACKED:
-            offsets, _ = layout(len(fields), specs)
-            for (code, _, shape), offset in zip(specs, offsets):
-                if code < 0:
-                    tensors.append(None)
-                    continue
-                data = self.buffer[offset : offset + _nbytes(code, shape)]
-                tensors.append(data.view(_DTYPES[code]).view(shape).detach())
+            tensors = unpack(self.buffer, fields)
         else:
             works = []
             for code, _, shape in specs:
@@ -274,14 +314,8 @@ class P2PTransport(Transport):
         payload = list(message.tensors)
         fields, offsets = _encode(message, payload)
         total = fields[5]
-        if total <= self.capacity.get(key, HEADER_BYTES):
-            buffer = torch.empty(total, dtype=torch.uint8, device=self.wire)
-            buffer[: 8 * len(fields)].view(torch.int64).copy_(torch.tensor(fields))
-            for tensor, offset in zip(payload, offsets):
-                if tensor is not None:
-                    flat = tensor.detach().contiguous().view(-1).view(torch.uint8)
-                    buffer[offset : offset + flat.numel()].copy_(flat)
-            self._isend(buffer, key, 2 * channel)
+        if total <= self.capacity.get(key, HEADER_BYTES):  # packing is for gloo: host memory
+            self._isend(pack(fields, offsets, payload), key, 2 * channel)
             return
         fields[2] = _SEPARATE
         self.grow(key, total)
