@@ -18,10 +18,10 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
-from torch.autograd.profiler import record_function
 
 from .compute import Compute
 from .failure import Failed, MismatchedBatch, StageFailure, StepReport
+from .labels import profiler_range
 from .microbatch import Tensors
 from .schedule import Action, Kind, Plan, forward_only, lower, validate
 from .schedule.messages import misordered_pair, settle_points
@@ -210,7 +210,7 @@ class Runtime(Compute):
             for index, action in enumerate(row):
                 current = str(action)
                 began = time.perf_counter()
-                with record_function(current):
+                with profiler_range(current):
                     self.handlers[action.kind](work, action)
                 ended = time.perf_counter()
                 if action.kind.is_compute:

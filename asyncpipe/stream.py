@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd.profiler import record_function
 
 from .failure import Failed, StepReport
+from .labels import profiler_range
 from .runtime import _OK, _PEER_ERRORS, STATUS_CHANNEL, Runtime
 from .schedule import Action, Kind, lower, validate
 from .schedule.two_bw import two_bw, windows
@@ -215,7 +215,7 @@ class Stream:
                     Action(action.stage, action.kind, action.microbatch + offset, action.peer)
                 )
                 began = time.perf_counter()
-                with record_function(text), self._versioned(action, stale):
+                with profiler_range(text), self._versioned(action, stale):
                     runtime.handlers[action.kind](work, mine)
                 ended = time.perf_counter()
                 if action.kind.is_compute:
