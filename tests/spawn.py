@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import random
 import socket
 import tempfile
 import traceback
@@ -15,8 +16,33 @@ import torch
 __all__ = ["free_port", "rank_env", "run_ranks"]
 
 
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A loopback TCP port that is free now, for a rendezvous.
+
+    Picked at random below the ephemeral range: the OS hands ports of that range to every
+    connecting socket (gloo opens many), so a port it chose for us could be taken by another
+    test's connection before our rendezvous binds it; below the range only another rendezvous
+    can take it. Restarted jobs use the port + 100 + attempt, so the top 300 are left out.
+    """
+    top = min(_ephemeral_low(), 65536) - 300
+    pick = random.Random(os.getpid() ^ int.from_bytes(os.urandom(4), "little"))
+    for _ in range(200):
+        port = pick.randrange(max(top - 12000, 1024), top)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # let the OS choose
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
