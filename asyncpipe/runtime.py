@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -24,7 +25,7 @@ from .failure import Failed, MismatchedBatch, StageFailure, StepReport
 from .labels import profiler_range
 from .microbatch import Tensors
 from .schedule import Action, Kind, Plan, forward_only, lower, validate
-from .schedule.messages import misordered_pair, settle_points
+from .schedule.messages import crossed_pair, misordered_pair, settle_points
 from .skip.routes import SkipRoutes
 from .transport import Message, PendingRecv, Transport, TransportTimeout
 from .work import Grads, Work
@@ -117,14 +118,8 @@ class Runtime(Compute):
             if not train:
                 plan = forward_only(plan)
             validate(plan)
-            pair = None if self.transport.early_receives else misordered_pair(plan)
-            if pair is not None:
-                raise ValueError(
-                    f"this schedule receives messages from rank {pair[0]} on rank {pair[1]} in "
-                    f"another order than they are sent, which a transport that matches messages "
-                    f"in posting order (NCCL) cannot do; use schedule='gpipe' or '1f1b', or the "
-                    f"gloo backend"
-                )
+            if not self.transport.early_receives:
+                _check_posting_order(plan)
             row = [a for a in plan[self.rank] if a is not None]
             split = frozenset((a.stage, a.microbatch) for a in row if a.kind is Kind.WEIGHT)
             self._plans[key] = (row, split)
@@ -298,8 +293,10 @@ class Runtime(Compute):
         status += [float(_rows(work.inputs)), float(_rows(work.targets))] if work else [-1.0] * 2
         status.append(float(_kind_code(failure.action)) if failure is not None else -1.0)
         news = Message(0, 0, (torch.tensor(status, dtype=torch.float64, device=self.device),))
-        statuses = self._post_statuses()
-        for peer in statuses:
+        self._post_statuses()
+        for peer in range(self.transport.world_size):
+            if peer == self.rank:
+                continue
             try:
                 self.transport.send(peer, STATUS_CHANNEL, news)
             except Exception:
@@ -312,7 +309,7 @@ class Runtime(Compute):
             raise self._raise(failure, original)
         table = [status]
         deadline = time.monotonic() + self.timeout
-        for peer, pending in statuses.items():
+        for peer, pending in self._post_statuses(now=True).items():
             try:
                 message = pending.wait(max(deadline - time.monotonic(), 0.001))
                 if message.error is not None or not message.tensors:
@@ -383,10 +380,16 @@ class Runtime(Compute):
         """Every rank's ``values`` (index = rank): one message to and from every other rank.
         Call it on every rank, between steps."""
         peers = [r for r in range(self.transport.world_size) if r != self.rank]
-        pending = {peer: self.transport.recv(peer, EXCHANGE_CHANNEL) for peer in peers}
+        early = self.transport.early_receives  # else post after sending, in the peers' order
+
+        def post() -> dict[int, PendingRecv]:
+            return {peer: self.transport.recv(peer, EXCHANGE_CHANNEL) for peer in peers}
+
+        pending = post() if early else {}
         mine = torch.tensor(list(values), dtype=torch.float64, device=self.device)
         for peer in peers:
             self.transport.send(peer, EXCHANGE_CHANNEL, Message(0, 0, (mine,)))
+        pending = pending or post()
         table: list[list[float]] = [[] for _ in range(self.transport.world_size)]
         table[self.rank] = [float(v) for v in values]
         for peer, receive in pending.items():
@@ -400,9 +403,13 @@ class Runtime(Compute):
 
     # ----- handlers ----------------------------------------------------------------------
 
-    def _post_statuses(self) -> dict[int, PendingRecv]:
-        """Post the receives of the other ranks' end-of-step news (once per call of run)."""
-        if not self._statuses:
+    def _post_statuses(self, now: bool = False) -> dict[int, PendingRecv]:
+        """Post the receives of the other ranks' end-of-step news (once per call of run).
+
+        Posted ahead where the transport allows it; a transport that matches messages in
+        posting order (NCCL) gets them only ``now``, after this rank's last data receive and
+        its own news, in the order its peers send."""
+        if not self._statuses and (now or self.transport.early_receives):
             peers = [r for r in range(self.transport.world_size) if r != self.rank]
             self._statuses = {peer: self.transport.recv(peer, STATUS_CHANNEL) for peer in peers}
         return self._statuses
@@ -479,6 +486,29 @@ class Runtime(Compute):
                 work.skip_back.pop((seg, i), None)
         peer, channel = self.channel(action)
         self.transport.send(peer, channel, Message(i, work.microbatches, grads))
+
+
+def _check_posting_order(plan: Plan) -> None:
+    """Refuse a plan that a transport matching messages in posting order (NCCL) cannot run,
+    and warn about one that needs it to buffer sends."""
+    pair = misordered_pair(plan)
+    if pair is not None:
+        raise ValueError(
+            f"this schedule receives messages from rank {pair[0]} on rank {pair[1]} in "
+            f"another order than they are sent, which a transport that matches messages "
+            f"in posting order (NCCL) cannot do; use schedule='gpipe' or '1f1b', or the "
+            f"gloo backend"
+        )
+    crossed = crossed_pair(plan)
+    if crossed is not None:
+        warnings.warn(
+            f"in this schedule ranks {crossed[0]} and {crossed[1]} both send to each other "
+            f"before either receives: over NCCL that relies on NCCL buffering those sends, and "
+            f"a message larger than its buffer stalls both ranks until the pipeline's timeout; "
+            f"schedule='gpipe' never does this, and transport='rpc' does not depend on it",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
 
 class _Ready(PendingRecv):

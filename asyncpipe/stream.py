@@ -314,5 +314,11 @@ def check_two_bw_options(pipe: Any, shared_weights: object, trace: object) -> No
         )
     if trace is not None:
         problems.append("schedule '2bw' is not traced yet; pass trace=None")
+    if not pipe._runtime.transport.early_receives:
+        problems.append(
+            "schedule '2bw' posts receives ahead of their turn, which a transport that matches "
+            "messages in posting order (p2p over NCCL) cannot take; pass transport='rpc' or "
+            "use the gloo backend"
+        )
     if problems:
         raise ValueError("; ".join(problems))

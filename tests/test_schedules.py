@@ -11,7 +11,7 @@ from threads import run_pipes, run_threads, values
 from torch import Tensor, nn
 
 from asyncpipe import AsyncPipe, StageFailure
-from asyncpipe.schedule import Action, build, one_f_one_b
+from asyncpipe.schedule import Action, Kind, build, gpipe, lower, one_f_one_b
 from asyncpipe.transport import Transport
 
 mse = nn.functional.mse_loss
@@ -248,3 +248,28 @@ def test_settle_points_follow_the_peers_row_order() -> None:
     assert named["1RECV_F4->0"] == ["1SEND_B0->0"]
     settled = [a for sends in points.values() for a in sends]
     assert len(settled) == len(set(settled)) == 12
+
+
+def test_message_order_between_pairs_of_ranks() -> None:
+    """misordered_pair: a receiver taking one rank's messages in another order than sent;
+    crossed_pair: two ranks that both send to each other before receiving (fine when sends
+    are buffered, a deadlock when a send waits for its receive)."""
+    from asyncpipe.schedule.messages import crossed_pair, misordered_pair
+
+    for stages, chunks in [(2, 1), (2, 4), (4, 8), (3, 5)]:
+        assert misordered_pair(lower(gpipe(stages, chunks))) is None
+        assert crossed_pair(lower(gpipe(stages, chunks))) is None
+        assert misordered_pair(lower(one_f_one_b(stages, chunks))) is None
+    # 1F1B's last warm-up forward goes out while the first gradient comes back
+    assert crossed_pair(lower(one_f_one_b(2, 4))) == (0, 1)
+    assert crossed_pair(lower(one_f_one_b(3, 2))) == (1, 2)
+    # a receiver that takes micro-batch 1 before micro-batch 0
+    plan = lower(gpipe(2, 2))
+    row = plan[1]
+    first = next(n for n, a in enumerate(row) if a is not None and a.kind is Kind.RECV_F)
+    second = next(
+        n for n, a in enumerate(row) if n > first and a is not None and a.kind is Kind.RECV_F
+    )
+    swapped = list(row)
+    swapped[first], swapped[second] = row[second], row[first]
+    assert misordered_pair({0: plan[0], 1: swapped}) == (0, 1)

@@ -8,14 +8,20 @@ from typing import Any
 
 from asyncpipe.transport import InProcessHub, Transport
 
+HubFactory = Callable[[int], Any]
+
 __all__ = ["run_pipes", "run_threads", "values"]
 
 
 def run_threads(
-    fn: Callable[[int, Transport], Any], world: int, timeout: float = 60
+    fn: Callable[[int, Transport], Any],
+    world: int,
+    timeout: float = 60,
+    hub_type: HubFactory = InProcessHub,
 ) -> list[tuple[str, Any]]:
-    """``fn(rank, transport)`` on ``world`` threads; ``("ok", value)`` or ``("error", exc)``."""
-    hub = InProcessHub(world)
+    """``fn(rank, transport)`` on ``world`` threads; ``("ok", value)`` or ``("error", exc)``.
+    ``hub_type(world)`` hands out the transports (default: in-process queues)."""
+    hub = hub_type(world)
     results: list[tuple[str, Any]] = [("missing", None)] * world
 
     def target(rank: int) -> None:
@@ -52,6 +58,7 @@ def run_pipes(
     virtual_stages: int = 1,
     world: int | None = None,
     seed: int = 3,
+    hub_type: HubFactory = InProcessHub,
 ) -> tuple[list[float], list[Any], Any, Any]:
     """One ``step`` of ``AsyncPipe(model, ...)`` on in-process ranks, on a seeded (rows, 8)
     batch; returns each rank's loss and pipe, and the batch."""
@@ -76,5 +83,5 @@ def run_pipes(
         )
         return pipe.step(x, y, nn.functional.mse_loss), pipe
 
-    results = values(run_threads(fn, world or len(balance)))
+    results = values(run_threads(fn, world or len(balance), hub_type=hub_type))
     return [r[0] for r in results], [r[1] for r in results], x, y

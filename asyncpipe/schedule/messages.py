@@ -40,6 +40,43 @@ def misordered_pair(plan: Plan) -> tuple[int, int] | None:
     return None
 
 
+def crossed_pair(plan: Plan) -> tuple[int, int] | None:
+    """The first pair of ranks (lower rank first) that both send to each other before either
+    receives what the other sent; ``None`` if there is none.
+
+    A transport whose sends may wait until the peer posts the matching receive, and which runs
+    each pair's operations in the order they were issued (NCCL: one stream per pair of ranks)
+    can deadlock on such a pair: a send it cannot buffer waits for a receive stuck behind the
+    peer's own send. Such plans rely on the transport buffering those messages.
+
+    Example:
+        >>> from asyncpipe.schedule import gpipe, one_f_one_b, lower
+        >>> crossed_pair(lower(gpipe(2, 4))), crossed_pair(lower(one_f_one_b(2, 4)))
+        (None, (0, 1))
+    """
+    owners = stage_owners(plan)
+    ops: dict[tuple[int, int], list[tuple[bool, int, int, int]]] = {}
+    for rank, row in plan.items():
+        for a in row:
+            if a is None or a.kind.is_compute:
+                continue
+            assert a.peer is not None
+            low, high = sorted((a.stage, a.peer))
+            ops.setdefault((rank, owners[a.peer]), []).append(
+                (a.kind.is_send, low, high, a.microbatch)
+            )
+    for (one, other), mine in sorted(ops.items()):
+        if one > other:
+            continue
+        theirs = ops.get((other, one), [])
+        for (sends, *what), (peer_sends, *peer_what) in zip(mine, theirs):
+            if sends and peer_sends:
+                return one, other
+            if sends == peer_sends or what != peer_what:
+                break  # misordered: misordered_pair tells
+    return None
+
+
 def settle_points(plan: Plan, rank: int) -> dict[Action, list[Action]]:
     """For each receive of ``rank``, the sends of ``rank`` that it proves taken.
 
