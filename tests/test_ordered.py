@@ -6,6 +6,7 @@ failure, and inference, each equal to the plain model or failing as over gloo.""
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ from threads import run_pipes, run_threads, values
 from torch import Tensor, nn
 
 from asyncpipe import AsyncPipe, StageFailure
+from asyncpipe.trace import load_steps
 from asyncpipe.transport import Message, Transport
 
 mse = nn.functional.mse_loss
@@ -142,3 +144,24 @@ def test_2bw_is_refused_before_any_message() -> None:
     for status, error in run_threads(fn, 2, hub_type=OrderedHub):
         assert status == "error" and isinstance(error, ValueError), error
         assert "matches messages in posting order" in str(error) and "rpc" in str(error)
+
+
+def test_traced_steps_match_the_plain_model(tmp_path: Path) -> None:
+    """Tracing adds clock and trace messages between the ranks."""
+    model = mlp(4)
+    torch.manual_seed(4)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+
+    def fn(rank: int, transport: Transport) -> float:
+        pipe = AsyncPipe(model, [2, 2], chunks=4, transport=transport, timeout=10, trace=tmp_path)
+        losses = [pipe.step(x, y, mse) for _ in range(3)]
+        pipe.close()
+        return losses[0]
+
+    model.zero_grad()
+    losses = values(run_threads(fn, 2, hub_type=OrderedHub))
+    want_loss, _ = reference(model, x, y, 4, mse)
+    assert all(loss == pytest.approx(want_loss, rel=1e-6) for loss in losses)
+    steps = load_steps(tmp_path)
+    assert [s.step for s in steps] == [0, 1, 2]
+    assert all(set(s.ranks) == {0, 1} for s in steps)
