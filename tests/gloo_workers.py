@@ -11,6 +11,7 @@ from models import mlp, reference
 from torch import Tensor, nn
 
 from asyncpipe import AsyncPipe, LazyModule, StageFailure
+from asyncpipe.transport import P2PTransport
 
 mse = nn.functional.mse_loss
 
@@ -23,6 +24,16 @@ def _diff(pipe: AsyncPipe, want: dict[int, Tensor], model: nn.Module) -> float:
         got = p.grad if p.grad is not None else torch.zeros_like(p)
         worst = max(worst, float((got - want[ids[id(p)]]).abs().max()))
     return worst
+
+
+def _transport(name: str, device: str) -> str | P2PTransport:
+    """``"p2p-ordered"``: the p2p transport as it runs over NCCL (every message sent as header
+    then tensors, every receive posted only when due), here over gloo."""
+    if name != "p2p-ordered":
+        return name
+    transport = P2PTransport(device=torch.device(device))
+    transport.early_receives = transport.packs = False
+    return transport
 
 
 def errors(
@@ -51,7 +62,7 @@ def errors(
         timeout=30,
         schedule=schedule,
         virtual_stages=virtual,
-        transport=transport,
+        transport=_transport(transport, device),
         device=device,
     )
     first, last = pipe.is_first_stage, pipe.is_last_stage

@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 import pytest
-from gloo_workers import dropout, failure, features, message_sizes, settle, transparency
+from gloo_workers import (
+    check_errors,
+    dropout,
+    failure,
+    features,
+    message_sizes,
+    settle,
+    transparency,
+)
 from spawn import run_ranks
 
 pytestmark = pytest.mark.slow
@@ -53,6 +61,36 @@ def test_every_schedule_matches_the_plain_model(world: int) -> None:
         assert checks, rank
         for key, (loss_error, grad_error) in checks.items():
             assert loss_error < 1e-6 and grad_error < 1e-6, (rank, key, loss_error, grad_error)
+
+
+@pytest.mark.filterwarnings("ignore:in this schedule ranks")
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_nccl_code_path_of_the_p2p_transport_over_gloo(world: int) -> None:
+    """Headers and tensors as separate messages, receives posted only when due, end-of-step
+    news after the step's sends: the way the p2p transport runs over NCCL."""
+    results = run_ranks(
+        transparency,
+        world,
+        [[1] * world],
+        [1, 2 * world],
+        ("gpipe", "1f1b", "zero_bubble"),
+        ("except_last",),
+        16,
+        "p2p-ordered",
+        timeout=240,
+    )
+    results += run_ranks(
+        transparency,
+        world,
+        [[1] * (2 * world)],
+        [world],
+        ("interleaved",),
+        ("never",),
+        16,
+        "p2p-ordered",
+        timeout=240,
+    )
+    check_errors(results)
 
 
 def test_tuples_lazy_modules_reuse_forward_and_inference() -> None:
