@@ -48,10 +48,13 @@ class Layout:
         return [d * self.stages + stage for d in range(self.replicas)]
 
 
-def groups(layout: Layout, rank: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """This rank's pipeline group and data-parallel group. Every rank creates every group, in
-    the same order (creating a group is collective)."""
-    pipeline = data_parallel = None
+def groups(
+    layout: Layout, rank: int, down: bool = False
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup, dist.ProcessGroup | None]:
+    """This rank's pipeline group, data-parallel group and, with ``down``, a second group over
+    its pipeline's ranks for the messages to lower ranks (the p2p transport's ordered mode).
+    Every rank creates every group, in the same order (creating a group is collective)."""
+    pipeline = data_parallel = second = None
     for replica in range(layout.replicas):
         group = dist.new_group(layout.pipeline_ranks(replica))
         if replica == layout.replica(rank):
@@ -60,8 +63,12 @@ def groups(layout: Layout, rank: int) -> tuple[dist.ProcessGroup, dist.ProcessGr
         group = dist.new_group(layout.data_parallel_ranks(stage))
         if stage == layout.stage(rank):
             data_parallel = group
+    for replica in range(layout.replicas if down else 0):
+        group = dist.new_group(layout.pipeline_ranks(replica))
+        if replica == layout.replica(rank):
+            second = group
     assert pipeline is not None and data_parallel is not None
-    return pipeline, data_parallel
+    return pipeline, data_parallel, second
 
 
 class GradientAverager:
@@ -129,7 +136,7 @@ def connect(
     with one replica). ``transport`` is a name or a ready Transport (one replica only)."""
     layout = Layout(ranks, data_parallel_size)
     data_parallel_rank = 0
-    pipeline_group = data_parallel_group = None
+    pipeline_group = data_parallel_group = down_group = None
     if data_parallel_size > 1:
         world = dist.get_world_size()
         if world != data_parallel_size * ranks:
@@ -140,7 +147,8 @@ def connect(
                 f"data_parallel_size"
             )
         me = dist.get_rank()
-        pipeline_group, data_parallel_group = groups(layout, me)
+        ordered = transport == "p2p" and dist.get_backend() == "nccl"
+        pipeline_group, data_parallel_group, down_group = groups(layout, me, ordered)
         data_parallel_rank = layout.replica(me)
     if transport == "rpc":
         if pipeline_group is None:
@@ -152,5 +160,5 @@ def connect(
         )
         return rpc, data_parallel_rank, data_parallel_group
     if isinstance(transport, str):
-        transport = P2PTransport(group=pipeline_group, device=device)
+        transport = P2PTransport(group=pipeline_group, device=device, down_group=down_group)
     return transport, data_parallel_rank, data_parallel_group

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -25,7 +24,7 @@ from .failure import Failed, MismatchedBatch, StageFailure, StepReport
 from .labels import profiler_range
 from .microbatch import Tensors
 from .schedule import Action, Kind, Plan, forward_only, lower, validate
-from .schedule.messages import crossed_pair, misordered_pair, settle_points
+from .schedule.messages import misordered_pair, settle_points
 from .skip.routes import SkipRoutes
 from .transport import Message, PendingRecv, Transport, TransportTimeout
 from .work import Grads, Work
@@ -489,8 +488,7 @@ class Runtime(Compute):
 
 
 def _check_posting_order(plan: Plan) -> None:
-    """Refuse a plan that a transport matching messages in posting order (NCCL) cannot run,
-    and warn about one that needs it to buffer sends."""
+    """Refuse a plan that a transport matching messages in posting order (NCCL) cannot run."""
     pair = misordered_pair(plan)
     if pair is not None:
         raise ValueError(
@@ -498,16 +496,6 @@ def _check_posting_order(plan: Plan) -> None:
             f"another order than they are sent, which a transport that matches messages "
             f"in posting order (NCCL) cannot do; use schedule='gpipe' or '1f1b', or the "
             f"gloo backend"
-        )
-    crossed = crossed_pair(plan)
-    if crossed is not None:
-        warnings.warn(
-            f"in this schedule ranks {crossed[0]} and {crossed[1]} both send to each other "
-            f"before either receives: over NCCL that relies on NCCL buffering those sends, and "
-            f"a message larger than its buffer stalls both ranks until the pipeline's timeout; "
-            f"schedule='gpipe' never does this, and transport='rpc' does not depend on it",
-            RuntimeWarning,
-            stacklevel=2,
         )
 
 

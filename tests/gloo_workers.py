@@ -28,12 +28,10 @@ def _diff(pipe: AsyncPipe, want: dict[int, Tensor], model: nn.Module) -> float:
 
 def _transport(name: str, device: str) -> str | P2PTransport:
     """``"p2p-ordered"``: the p2p transport as it runs over NCCL (every message sent as header
-    then tensors, every receive posted only when due), here over gloo."""
+    then tensors, every receive posted only when due, a group per direction), over gloo."""
     if name != "p2p-ordered":
         return name
-    transport = P2PTransport(device=torch.device(device))
-    transport.early_receives = transport.packs = False
-    return transport
+    return P2PTransport(device=torch.device(device), ordered=True)
 
 
 def errors(
@@ -291,3 +289,35 @@ def message_sizes(rank: int, world: int) -> Any:
         transport.send(0, 8, Message(0, 1, (torch.zeros(1),)))
     transport.flush(30)
     return got, max(transport.capacity.values(), default=0)
+
+
+def directions(rank: int, world: int) -> Any:
+    """Two pipelines of two ranks (data parallelism) in ordered mode: each rank sends to its
+    neighbour, up in the pipeline group and down in the second group, and gets the other's;
+    a pipeline group smaller than the world without its second group is refused."""
+    import torch.distributed as dist
+
+    from asyncpipe.parallel import Layout, groups
+    from asyncpipe.transport import Message
+
+    layout = Layout(2, 2)
+    pipeline, _, down = groups(layout, rank, True)
+    try:
+        P2PTransport(group=pipeline, ordered=True)
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    transport = P2PTransport(group=pipeline, ordered=True, down_group=down)
+    me, peer = transport.rank, 1 - transport.rank
+    pending = transport.recv(peer, 3)
+    transport.send(peer, 3, Message(0, 1, (torch.full((2, 3), float(rank)),)))
+    got = pending.wait(30).tensors[0]
+    transport.flush(30)
+    assert got is not None
+    return {
+        "got": got.tolist(),
+        "groups": [dist.get_process_group_ranks(g) for g in (pipeline, down) if g is not None],
+        "distinct": transport.group_to(peer) is not transport.group_from(peer),
+        "me": me,
+        "refused": refused,
+    }

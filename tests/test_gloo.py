@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from gloo_workers import (
     check_errors,
+    directions,
     dropout,
     failure,
     features,
@@ -63,7 +64,6 @@ def test_every_schedule_matches_the_plain_model(world: int) -> None:
             assert loss_error < 1e-6 and grad_error < 1e-6, (rank, key, loss_error, grad_error)
 
 
-@pytest.mark.filterwarnings("ignore:in this schedule ranks")
 @pytest.mark.parametrize("world", [2, 4])
 def test_the_nccl_code_path_of_the_p2p_transport_over_gloo(world: int) -> None:
     """Headers and tensors as separate messages, receives posted only when due, end-of-step
@@ -91,6 +91,16 @@ def test_the_nccl_code_path_of_the_p2p_transport_over_gloo(world: int) -> None:
         timeout=240,
     )
     check_errors(results)
+
+
+def test_ordered_mode_sends_each_direction_in_its_own_group() -> None:
+    results = run_ranks(directions, 4, timeout=120)
+    for rank, result in enumerate(results):
+        pipeline = [0, 1] if rank < 2 else [2, 3]
+        neighbour = pipeline[1 - pipeline.index(rank)]
+        assert result["got"] == [[float(neighbour)] * 3] * 2, (rank, result)
+        assert result["groups"] == [pipeline, pipeline] and result["distinct"], (rank, result)
+        assert "pass it as down_group" in result["refused"], (rank, result)
 
 
 def test_tuples_lazy_modules_reuse_forward_and_inference() -> None:

@@ -47,7 +47,8 @@ def crossed_pair(plan: Plan) -> tuple[int, int] | None:
     A transport whose sends may wait until the peer posts the matching receive, and which runs
     each pair's operations in the order they were issued (NCCL: one stream per pair of ranks)
     can deadlock on such a pair: a send it cannot buffer waits for a receive stuck behind the
-    peer's own send. Such plans rely on the transport buffering those messages.
+    peer's own send. The p2p transport's ordered mode therefore sends each direction in a group
+    of its own.
 
     Example:
         >>> from asyncpipe.schedule import gpipe, one_f_one_b, lower

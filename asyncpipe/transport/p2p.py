@@ -14,7 +14,8 @@ Sender and receiver keep the same record of sizes per slot, so both agree on whe
 fits. Only messages up to ``PACK_LIMIT`` bytes are packed: above it, copying the tensors into
 one buffer costs more than the second message, so large tensors always go separate, straight
 from their own memory. NCCL needs receives of the exact size, in posting order: there every
-message goes separate and each receive is posted only when it is due. Gloo moves host memory
+message goes separate, each receive is posted only when it is due, and each direction between
+two ranks travels in its own group (see :class:`P2PTransport`). Gloo moves host memory
 only: with CUDA tensors over gloo (processes sharing a GPU), messages are staged through host
 memory and received tensors are moved to the transport's device.
 """
@@ -197,13 +198,28 @@ def _gist(text: str) -> str:
     return line.split(". This is typically")[0].strip() or "unknown error"
 
 
+def _down_group(group: dist.ProcessGroup | None, ranks: list[int]) -> dist.ProcessGroup:
+    """A second group over the pipeline's ranks, created by every rank of the world."""
+    if dist.get_world_size(group) != dist.get_world_size():
+        raise ValueError(
+            "the p2p transport's ordered mode (NCCL) sends each direction in its own group: "
+            "with a pipeline group smaller than the world, create a second group over the same "
+            "ranks on every rank and pass it as down_group"
+        )
+    down: dist.ProcessGroup = dist.new_group(ranks)
+    return down
+
+
 class _P2PRecv(PendingRecv):
     def __init__(self, transport: P2PTransport, src: int, channel: int, slot: int) -> None:
         self.transport, self.src, self.channel, self.slot = transport, src, channel, slot
         capacity = transport.capacity.get((src, channel, slot), HEADER_BYTES)
         self.buffer = torch.empty(capacity, dtype=torch.uint8, device=transport.wire)
         self.work: dist.Work | None = dist.irecv(
-            self.buffer, transport.global_rank(src), group=transport.group, tag=2 * channel
+            self.buffer,
+            transport.global_rank(src),
+            group=transport.group_from(src),
+            tag=2 * channel,
         )
 
     def _wait(self, work: dist.Work | None, timeout: float, what: str) -> None:
@@ -246,7 +262,8 @@ class _P2PRecv(PendingRecv):
                 buffer = torch.empty(shape, dtype=_DTYPES[code], device=transport.wire)
                 peer = transport.global_rank(self.src)
                 tag = 2 * self.channel + 1
-                works.append(dist.irecv(buffer, peer, group=transport.group, tag=tag))
+                group = transport.group_from(self.src)
+                works.append(dist.irecv(buffer, peer, group=group, tag=tag))
                 tensors.append(buffer)
             for work in works:
                 self._wait(work, timeout, f"the tensors of micro-batch {microbatch}")
@@ -263,18 +280,36 @@ class _P2PRecv(PendingRecv):
 class P2PTransport(Transport):
     """Messages over ``torch.distributed`` point-to-point operations.
 
+    Over NCCL, each pair of ranks runs its operations on one stream in the order they were
+    issued, and a send NCCL cannot buffer waits for its receive: two neighbours that both send
+    before receiving (1F1B's last warm-up forward crosses the first gradient) would wait for
+    each other. So in this *ordered* mode messages to higher pipeline ranks use ``group`` and
+    messages to lower ranks a second group over the same ranks (``down_group``): each stream
+    then carries one direction, whose sends the peer receives in the plan's order.
+
     Args:
         group: the process group of the pipeline (default: the whole world); pipeline rank
             ``r`` is the ``r``-th rank of the group.
         device: where received tensors are placed (a CUDA device with NCCL; with gloo, CUDA
             tensors are staged through host memory).
+        ordered: send every message as header then tensors, post receives only when due, and
+            use a group per direction; default: over NCCL only. ``True`` runs the NCCL protocol
+            over gloo (tests do).
+        down_group: the group for messages to lower ranks in ordered mode, over the same ranks
+            as ``group``. Created here when not given, which is collective over the whole
+            world: with several pipelines (data parallelism), create one per pipeline on every
+            rank and pass it.
 
     Example:
         >>> transport = P2PTransport()  # doctest: +SKIP
     """
 
     def __init__(
-        self, group: dist.ProcessGroup | None = None, device: torch.device | None = None
+        self,
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | None = None,
+        ordered: bool | None = None,
+        down_group: dist.ProcessGroup | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError(
@@ -288,11 +323,24 @@ class P2PTransport(Transport):
             dist.get_global_rank(group, r) if group else r for r in range(self.world_size)
         ]
         self.device = device or torch.device("cpu")
-        self.early_receives = self.packs = dist.get_backend(group) != "nccl"
-        self.wire = torch.device("cpu") if self.packs else self.device  # where messages live
+        nccl = dist.get_backend(group) == "nccl"
+        self.ordered = nccl if ordered is None else ordered
+        self.early_receives = self.packs = not self.ordered
+        self.wire = self.device if nccl else torch.device("cpu")  # where messages live
+        self.down_group = group
+        if self.ordered:
+            self.down_group = down_group or _down_group(group, self._ranks)
         self.capacity: dict[tuple[int, int, int], int] = {}
         # sends not yet known to be taken, by (peer, channel, slot); buffers live until then
         self._pending: dict[tuple[int, int, int], list[tuple[dist.Work | None, Tensor]]] = {}
+
+    def group_to(self, dst: int) -> dist.ProcessGroup | None:
+        """The group of messages from this rank to pipeline rank ``dst``."""
+        return self.group if dst > self.rank else self.down_group
+
+    def group_from(self, src: int) -> dist.ProcessGroup | None:
+        """The group of messages from pipeline rank ``src`` to this rank."""
+        return self.group if src < self.rank else self.down_group
 
     def global_rank(self, rank: int) -> int:
         return self._ranks[rank]
@@ -303,7 +351,8 @@ class P2PTransport(Transport):
             self.capacity[key] = max(self.capacity.get(key, HEADER_BYTES), size)
 
     def _isend(self, tensor: Tensor, key: tuple[int, int, int], tag: int) -> None:
-        work = dist.isend(tensor, self.global_rank(key[0]), group=self.group, tag=tag)
+        peer = key[0]
+        work = dist.isend(tensor, self.global_rank(peer), group=self.group_to(peer), tag=tag)
         self._pending.setdefault(key, []).append((work, tensor))
 
     def send(self, dst: int, channel: int, message: Message) -> None:
