@@ -10,6 +10,7 @@ from asyncpipe.microbatch import gather, scatter
 from asyncpipe.partition import Invocation, Location, partition
 from asyncpipe.transport import Message
 from asyncpipe.transport.p2p import (
+    _completed,
     decode_header,
     encode_header,
     layout,
@@ -110,3 +111,19 @@ def test_header_rejects_too_many_tensors() -> None:
     many = [torch.zeros(1, 1, 1, 1) for _ in range(60)]
     with pytest.raises(ValueError, match="too many tensors"):
         encode_header(Message(0, 1, tuple(many)), many)
+
+
+def test_a_receive_on_the_gpu_is_awaited_on_the_host_with_a_timeout() -> None:
+    class Work:
+        def __init__(self, after: int) -> None:
+            self.calls, self.after = 0, after
+
+        def is_completed(self) -> bool:
+            self.calls += 1
+            return self.calls > self.after
+
+    done = Work(after=5)
+    _completed(done, timeout=5.0)  # type: ignore[arg-type]
+    assert done.calls == 6
+    with pytest.raises(RuntimeError, match="Timed out after 0.1 s"):
+        _completed(Work(after=10**9), timeout=0.1)  # type: ignore[arg-type]

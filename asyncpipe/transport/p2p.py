@@ -210,6 +210,20 @@ def _down_group(group: dist.ProcessGroup | None, ranks: list[int]) -> dist.Proce
     return down
 
 
+def _completed(work: dist.Work, timeout: float) -> None:
+    """Block the host until ``work`` is complete, or raise a timeout error after ``timeout`` s.
+
+    An NCCL receive's ``wait`` makes the current CUDA stream wait and returns at once; the host
+    would then block, without a timeout, in the first copy of the message to host memory."""
+    deadline = time.monotonic() + timeout
+    pause = 1e-5
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"Timed out after {timeout:.1f} s")
+        time.sleep(pause)
+        pause = min(pause * 2, 1e-3)
+
+
 class _P2PRecv(PendingRecv):
     def __init__(self, transport: P2PTransport, src: int, channel: int, slot: int) -> None:
         self.transport, self.src, self.channel, self.slot = transport, src, channel, slot
@@ -225,6 +239,8 @@ class _P2PRecv(PendingRecv):
     def _wait(self, work: dist.Work | None, timeout: float, what: str) -> None:
         assert work is not None  # point-to-point operations always return a Work
         try:
+            if self.transport.wire.type == "cuda":
+                _completed(work, timeout)  # NCCL's wait only orders the current stream
             work.wait(datetime.timedelta(seconds=max(timeout, 0.001)))
         except RuntimeError as e:
             text = str(e)
