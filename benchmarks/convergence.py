@@ -27,9 +27,10 @@ SCHEDULES = ("1f1b", "2bw")
 
 
 def marks(steps: int) -> list[int]:
-    """The steps the table shows: the first, every tenth of the run, and the last."""
+    """The steps the table shows: the first, the twentieth part of the run, every tenth part,
+    and the last."""
     every = max(1, steps // 10)
-    return sorted({1, *range(every, steps + 1, every), steps})
+    return sorted({1, max(1, every // 2), *range(every, steps + 1, every), steps})
 
 
 def table(curves: dict[str, list[float]], steps: int, tail: int = 10) -> str:
