@@ -158,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     for n, part in enumerate(args.parts, 1):
         left = _minutes(args.parts[n - 1 :], args.quick)
         print(
-            f"\n[{n}/{len(args.parts)}] {part.name}: {part.what} -> docs/{part.page} "
+            f"\n[{n}/{len(args.parts)}] {part.name}: {part.what} -> "
+            f"{_shown(args.docs / part.page)} "
             f"({left} left, {(time.monotonic() - started) / 60:.1f} min so far)",
             file=sys.stderr,
             flush=True,

@@ -55,6 +55,11 @@ class Part:
         return list(self.keys)
 
 
+def _args(*commands: str) -> tuple[tuple[str, ...], ...]:
+    """Argument lists written as command-line text, one string per command."""
+    return tuple(tuple(command.split()) for command in commands)
+
+
 PARTS: tuple[Part, ...] = (
     Part(
         "suite",
@@ -63,25 +68,10 @@ PARTS: tuple[Part, ...] = (
         ("suite device=cpu", "suite device=cuda"),
         "every schedule and transport against the peers, memory, bandwidth, GPT",
         16.0,
-        quick=(
-            (
-                "--stages",
-                "2",
-                "--chunks",
-                "2",
-                "--steps",
-                "1",
-                "--warmup",
-                "0",
-                "--f-ms",
-                "1",
-                "--messages",
-                "20",
-                "--quick",
-                "--only",
-                "reference,bandwidth",
-            ),
-        ),  # fmt: skip
+        quick=_args(
+            "--quick --stages 2 --chunks 2 --steps 1 --warmup 0 --f-ms 1 --messages 20 "
+            "--only reference,bandwidth"
+        ),
         device_key=True,
     ),
     Part(
@@ -91,35 +81,11 @@ PARTS: tuple[Part, ...] = (
         ("gpipe shape=small", "gpipe shape=large"),
         "GPipe against torch.distributed.pipelining, both activation shapes",
         10.0,
-        runs=(("--rounds", "3"), ("--shape", "large", "--rounds", "3")),
-        quick=(
-            (
-                "--chunks",
-                "2",
-                "--steps",
-                "1",
-                "--warmup",
-                "0",
-                "--f-ms",
-                "1",
-                "--systems",
-                "asyncpipe",
-            ),
-            (
-                "--shape",
-                "large",
-                "--chunks",
-                "2",
-                "--steps",
-                "1",
-                "--warmup",
-                "0",
-                "--f-ms",
-                "1",
-                "--systems",
-                "asyncpipe",
-            ),
-        ),  # fmt: skip
+        runs=_args("--rounds 3", "--shape large --rounds 3"),
+        quick=_args(
+            "--chunks 2 --steps 1 --warmup 0 --f-ms 1 --systems asyncpipe",
+            "--shape large --chunks 2 --steps 1 --warmup 0 --f-ms 1 --systems asyncpipe",
+        ),
     ),
     Part(
         "schedules",
@@ -128,29 +94,11 @@ PARTS: tuple[Part, ...] = (
         ("schedules",),
         "every schedule against its simulated ideal and torch's, memory",
         5.0,
-        runs=(("--timelines", "{docs}/_static"),),
-        quick=(
-            (
-                "--chunks",
-                "2",
-                "--steps",
-                "1",
-                "--warmup",
-                "0",
-                "--f-ms",
-                "1",
-                "--rounds",
-                "1",
-                "--peers",
-                "none",
-                "--schedules",
-                "1f1b",
-                "--memory",
-                "none",
-                "--timelines",
-                "{docs}/_static",
-            ),
-        ),  # fmt: skip
+        runs=_args("--timelines {docs}/_static"),
+        quick=_args(
+            "--chunks 2 --steps 1 --warmup 0 --f-ms 1 --rounds 1 --peers none "
+            "--schedules 1f1b --memory none --timelines {docs}/_static"
+        ),
     ),
     Part(
         "transports",
@@ -159,7 +107,7 @@ PARTS: tuple[Part, ...] = (
         ("transports",),
         "bandwidth of p2p and rpc, step time over each against fairscale",
         3.0,
-        quick=(("--processes", "2", "--messages", "20", "--bandwidth-only"),),
+        quick=_args("--processes 2 --messages 20 --bandwidth-only"),
     ),
     Part(
         "parallel",
@@ -168,7 +116,7 @@ PARTS: tuple[Part, ...] = (
         ("parallel",),
         "data parallel x pipeline layouts, bfloat16 activations",
         2.0,
-        quick=(("--steps", "1", "--f-ms", "1", "--shape", "small"),),
+        quick=_args("--steps 1 --f-ms 1 --shape small"),
     ),
     Part(
         "twobw",
@@ -177,8 +125,8 @@ PARTS: tuple[Part, ...] = (
         ("twobw",),
         "PipeDream-2BW against 1F1B in the steady state",
         2.0,
-        runs=(("--runs", "3"),),
-        quick=(("--ranks", "2", "--chunks", "2", "--warmup", "1", "--steps", "1"),),
+        runs=_args("--runs 3"),
+        quick=_args("--ranks 2 --chunks 2 --warmup 1 --steps 1"),
     ),
     Part(
         "convergence",
@@ -187,7 +135,7 @@ PARTS: tuple[Part, ...] = (
         ("convergence",),
         "2BW against 1F1B: training loss of the example GPT",
         8.0,
-        quick=(("--small", "--steps", "3", "--lrs", "3e-3", "--processes", "2"),),
+        quick=_args("--small --steps 3 --lrs 3e-3 --processes 2"),
     ),
     Part(
         "trace_overhead",
@@ -196,7 +144,7 @@ PARTS: tuple[Part, ...] = (
         ("trace_overhead",),
         "what tracing costs per step",
         3.0,
-        quick=(("--rounds", "1", "--steps", "2", "--f-ms", "1", "--chunks", "2"),),
+        quick=_args("--rounds 1 --steps 2 --f-ms 1 --chunks 2"),
     ),
     Part(
         "trace_example",
@@ -205,18 +153,8 @@ PARTS: tuple[Part, ...] = (
         ("trace_example",),
         "a traced run of the example GPT, its summary and timeline picture",
         1.5,
-        runs=(("--picture", "{docs}/_static/trace_train_lm.png"),),
-        quick=(
-            (
-                "--small",
-                "--steps",
-                "3",
-                "--processes",
-                "2",
-                "--picture",
-                "{docs}/_static/trace_train_lm.png",
-            ),
-        ),  # fmt: skip
+        runs=_args("--picture {docs}/_static/trace_train_lm.png"),
+        quick=_args("--small --steps 3 --processes 2 --picture {docs}/_static/trace_train_lm.png"),
     ),
     Part(
         "plan_check",
@@ -225,25 +163,11 @@ PARTS: tuple[Part, ...] = (
         ("plan_check",),
         "balance.plan's predicted step times against measured ones",
         6.0,
-        runs=(("--steps", "6", "--chunk-options", "8", "--measure-link", "--fresh"),),
-        quick=(
-            (
-                "--world",
-                "2",
-                "--batch",
-                "4",
-                "--chunk-options",
-                "2",
-                "--steps",
-                "1",
-                "--warmup",
-                "0",
-                "--repeat",
-                "1",
-                "--f-ms",
-                "1",
-            ),
-        ),  # fmt: skip
+        runs=_args("--steps 6 --chunk-options 8 --measure-link --fresh"),
+        quick=_args(
+            "--world 2 --batch 4 --chunk-options 2 --schedules gpipe --steps 1 --warmup 0 "
+            "--repeat 1 --f-ms 1"
+        ),
     ),
     Part(
         "failures",
@@ -252,7 +176,7 @@ PARTS: tuple[Part, ...] = (
         ("failures",),
         "how long the other ranks take to raise when one fails",
         3.0,
-        quick=(("--runs", "1", "--modes", "forward"),),
+        quick=_args("--runs 1 --modes forward"),
     ),
 )
 """Every part, in the order a full run takes them."""

@@ -160,7 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--chunk-options", default="", help="chunk counts plan may choose (default: all)"
     )
-    parser.add_argument("--schedule", default="gpipe")
+    parser.add_argument("--schedule", default="gpipe", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--schedules", default="gpipe,1f1b,zero_bubble", help="schedules plan may choose"
+    )
     parser.add_argument("--balance", default="2,2,2,2")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8)
@@ -196,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         args.world,
         args.batch,
         chunks=options,
-        schedules=("gpipe", "1f1b", "zero_bubble"),
+        schedules=tuple(s for s in args.schedules.split(",") if s),
         link=link,
     )
     head = (

@@ -119,7 +119,9 @@ def report(record: dict[str, Any], args: argparse.Namespace) -> list[str]:
     medians = [statistics.median(spent) for spent in loop]
     means = [statistics.mean(spent) for spent in loop]
     writer = record["writer_cpu"]
-    images = sorted(writer)[-max(1, len(writer) // args.every) :]
+    drawn = len(writer) // args.every
+    images = sorted(writer)[-drawn:] if drawn else []
+    image = f"{statistics.mean(images) * 1e3:.0f} ms" if images else "none drawn in this run"
     return [
         "| per step | rank 0 | other ranks |",
         "|---|---|---|",
@@ -129,14 +131,13 @@ def report(record: dict[str, Any], args: argparse.Namespace) -> list[str]:
         f"| rank 0's writer thread, CPU time, median / mean | "
         f"{statistics.median(writer) * 1e3:.2f} / {statistics.mean(writer) * 1e3:.2f} ms "
         f"| none |",
-        f"| of which a timeline image (every {args.every} steps) | "
-        f"{statistics.mean(images) * 1e3:.0f} ms | none |",
+        f"| of which a timeline image (every {args.every} steps) | {image} | none |",
         "",
         f"- Against the untraced step ({plain * 1e3:.1f} ms): the training loop's share on "
         f"rank 0 is {medians[0] / plain:.2%} of the step at the median "
         f"({means[0] / plain:.2%} at the mean), the writer thread's "
         f"{statistics.mean(writer) / plain:.2%} of one core's time.",
-        f"- Wall clock, {args.rounds} pairs of blocks of {args.steps} untraced and "
+        f"- Wall clock, {args.rounds} pair(s) of blocks of {args.steps} untraced and "
         f"{args.steps} traced steps in the same processes: {plain * 1e3:.1f} ms untraced and "
         f"{traced * 1e3:.1f} ms traced per step (medians of the blocks), "
         f"**{(traced / plain - 1) * 100:+.1f} %**; the median of the pairs is "
