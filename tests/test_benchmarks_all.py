@@ -150,6 +150,7 @@ def test_every_command_of_every_part_parses(part, monkeypatch: pytest.MonkeyPatc
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_a_quick_run_of_every_part_rewrites_every_section(tmp_path: Path) -> None:
     docs = tmp_path / "docs"
     docs.mkdir()
