@@ -1,264 +1,183 @@
-"""``python -m benchmarks``: the whole suite on this machine, written into docs/."""
+"""``python -m benchmarks``: every measured figure of the docs, regenerated in one run.
+
+Runs each part of :data:`benchmarks.parts.PARTS` as its own command (``python -m
+benchmarks.gpipe ...``) in a process of its own, one after another, and has it rewrite its
+sections of its page. Prints a progress line per part and a summary at the end; a part that
+fails is reported and the others still run (the exit status is then 1).
+"""
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
+import os
 import shlex
+import subprocess
 import sys
-import tempfile
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from . import gpt, suite
-from .gpipe import _load, _machine, _revision, replace_section
-from .gpu import SHARED_GPU_NOTE, placement
 from .launch import REPO_ROOT
-from .peers import fairscale_version
-from .schedules import MEMORY_HEADER, MemoryRow, memory_cells
-from .suite_report import (
-    REFERENCE_HEADER,
-    SUMMARY_HEADER,
-    markdown_table,
-    plot,
-    reference_cells,
-    summary_cells,
-    text_table,
-)
-from .transports import bandwidth_table
-from .workload import calibrate_layer
+from .parts import PARTS, Part, by_name
+from .sections import find_sections
 
-__all__: list[str] = []
+__all__ = ["main", "parse_args"]
 
-DOC = REPO_ROOT / "docs" / "benchmark_suite.md"
-STATIC = REPO_ROOT / "docs" / "_static"
+DOCS = REPO_ROOT / "docs"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Read the command line; ``args.parts`` are the :class:`~benchmarks.parts.Part`\\ s to run."""
+    names = ", ".join(p.name for p in PARTS)
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks",
-        description="Run the benchmark suite: every asyncpipe schedule over p2p and rpc against "
-        "torch.distributed.pipelining and fairscale on the reference workload, PipeDream-2BW "
-        "against 1F1B, peak memory, activation bandwidth and the GPT model; print the tables "
-        "and, for a full run, write them (and a bar chart) into docs/.",
+        description="Regenerate every measured figure in the docs: run each benchmark part "
+        "and rewrite its generated sections (date, machine, commit and command included). "
+        f"The parts: {names}.",
     )
-    parser.add_argument("--quick", action="store_true", help="4 stages, chunks 8, few steps")
+    parser.add_argument("--only", default="", help="run only these parts (comma-separated)")
+    parser.add_argument("--skip", default="", help="run every part but these")
     parser.add_argument(
-        "--only",
-        default=",".join(suite.PARTS),
-        help=f"parts to run (default {','.join(suite.PARTS)})",
+        "--quick",
+        action="store_true",
+        help="tiny sizes and few steps, to see that every part works (minutes); writes only "
+        "with --docs",
     )
+    parser.add_argument(
+        "--docs",
+        type=Path,
+        default=None,
+        help="the docs directory whose pages to rewrite (default: docs/ for a full run; a "
+        "--quick run writes only where this is given)",
+    )
+    parser.add_argument("--no-write", action="store_true", help="print only; leave docs alone")
     parser.add_argument(
         "--device",
         choices=("auto", "cpu", "cuda"),
         default="auto",
-        help="auto (default): CUDA where available",
+        help="the suite's device (auto: CUDA where available); the other parts run on the CPU",
     )
-    parser.add_argument("--stages", default=None, help="pipeline ranks (default 2,4)")
-    parser.add_argument("--chunks", default=None, help="micro-batches (default 4,8,16)")
-    parser.add_argument("--f-ms", type=float, default=5.0, help="forward sleep per layer, ms (5)")
-    parser.add_argument("--micro-batch", type=int, default=4, help="rows per micro-batch (4)")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 6)")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed steps (default 2)")
-    parser.add_argument("--messages", type=int, default=None, help="bandwidth messages (300)")
-    parser.add_argument(
-        "--markdown",
-        type=Path,
-        default=None,
-        help=f"page to write the results in (default for a full run: {DOC.relative_to(REPO_ROOT)}"
-        "; a --quick or --only run writes only where this is given)",
-    )
-    parser.add_argument(
-        "--plot", type=Path, default=None, help="bar chart (default docs/_static/...<device>.png)"
-    )
-    parser.add_argument("--no-write", action="store_true", help="print only; leave docs alone")
-    parser.add_argument("--json", type=Path, default=None, help="write every number here")
-    parser.add_argument("--keep-logs", type=Path, default=None, help="keep worker files here")
+    parser.add_argument("--list", action="store_true", help="list the parts and their commands")
     args = parser.parse_args(argv)
-    args.parts = [p for p in args.only.split(",") if p]
-    unknown = [p for p in args.parts if p not in suite.PARTS]
-    if unknown:
-        parser.error(f"unknown parts {unknown}; choose from {', '.join(suite.PARTS)}")
-    args.device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
-    args.device = "cpu" if args.device == "auto" else args.device
+    try:
+        only = by_name(_split(args.only)) if args.only else list(PARTS)
+        skip = {p.name for p in by_name(_split(args.skip))}
+    except ValueError as exc:
+        parser.error(str(exc))
+    args.parts = [p for p in only if p.name not in skip]
+    if not args.parts:
+        parser.error("--only and --skip leave no part to run")
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch.cuda.is_available() is False on this machine")
-    quick = args.quick
-    args.stage_list = [int(s) for s in (args.stages or ("4" if quick else "2,4")).split(",")]
-    args.chunk_list = [int(c) for c in (args.chunks or ("8" if quick else "4,8,16")).split(",")]
-    args.steps = args.steps or (3 if quick else 6)
-    args.warmup = args.warmup if args.warmup is not None else (1 if quick else 2)
-    args.messages = args.messages or (60 if quick else 300)
-    args.layers = 8
-    if any(8 % (2 * s) for s in args.stage_list):
-        parser.error("--stages: each must divide 4 (8 layers, interleaved with 2 per rank)")
-    args.plot = args.plot or STATIC / f"benchmark_suite_{args.device}.png"
-    full = not quick and args.parts == list(suite.PARTS) and not (args.stages or args.chunks)
-    if args.markdown is None and not full:
-        args.no_write = True  # a partial run never replaces the full run's figures
-    args.markdown = args.markdown or DOC
+    args.write = not args.no_write and (args.docs is not None or not args.quick)
+    args.docs = args.docs or DOCS
     return args
 
 
-@dataclass
-class Results:
-    """Everything one run of the suite measured."""
-
-    meta: list[str] = field(default_factory=list)
-    rows: list[suite.SuiteRow] = field(default_factory=list)
-    twobw: list[dict[str, Any]] = field(default_factory=list)
-    memory: list[MemoryRow] = field(default_factory=list)
-    bandwidth: dict[str, Any] = field(default_factory=dict)
-    gpt: list[dict[str, Any]] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
+def _split(text: str) -> list[str]:
+    return [item.strip() for item in text.split(",") if item.strip()]
 
 
-def _markers(device: str) -> tuple[str, str]:
-    return (
-        f"<!-- begin: python -m benchmarks device={device} (generated; rerun to update) -->",
-        f"<!-- end: python -m benchmarks device={device} -->",
-    )
-
-
-def _relative(path: Path, page: Path) -> str:
+def _shown(path: Path) -> str:
+    """``path`` relative to the repository when it is inside it (as the command is run)."""
     try:
-        return path.resolve().relative_to(page.resolve().parent).as_posix()
+        return path.resolve().relative_to(REPO_ROOT).as_posix()
     except ValueError:
-        return path.as_posix()
+        return str(path)
+
+
+def commands(part: Part, args: argparse.Namespace) -> list[list[str]]:
+    """The full command lines of ``part`` in this run."""
+    docs = Path(_shown(args.docs))
+    out = []
+    for argv in part.commands(args.quick, docs, args.device):
+        if args.write:
+            argv += ["--markdown", (docs / part.page).as_posix()]
+        out.append([sys.executable, "-m", part.module, *argv])
+    return out
+
+
+def _minutes(parts: list[Part], quick: bool) -> str:
+    if quick:
+        return f"{len(parts)} quick parts"
+    return f"about {sum(p.minutes for p in parts):.0f} min on 2 CPU cores"
+
+
+def _sections(page: Path) -> dict[str, str]:
+    try:
+        return find_sections(page.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def run_part(part: Part, args: argparse.Namespace) -> tuple[str, float]:
+    """Run ``part``'s commands; return its outcome (``ok``, or what went wrong) and seconds."""
+    started = time.monotonic()
+    page = args.docs / part.page
+    before = _sections(page)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    for command in commands(part, args):
+        print("$ " + shlex.join(["python", *command[1:]]), file=sys.stderr, flush=True)
+        timeout = 600 + 6 * 60 * part.minutes
+        try:
+            done = subprocess.run(command, cwd=REPO_ROOT, env=env, timeout=timeout, check=False)
+        except subprocess.TimeoutExpired:
+            return f"timed out after {timeout / 60:.0f} min", time.monotonic() - started
+        if done.returncode != 0:
+            return f"FAILED (exit status {done.returncode})", time.monotonic() - started
+    if args.write:
+        after = _sections(page)
+        stale = [k for k in part.key_for(args.device) if before.get(k) == after.get(k)]
+        if stale:
+            return f"FAILED: sections not rewritten: {stale}", time.monotonic() - started
+    return "ok", time.monotonic() - started
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
-    started = time.monotonic()
-    where = placement(args.device, max(args.stage_list), rank=0)
-    device_line = where.describe(max(args.stage_list))
-    print(f"device: {device_line}", file=sys.stderr)
-    costs = calibrate_layer(args.f_ms, args.micro_batch, "small")
-    load_before = _load()
-    out = Results(notes=[f"fairscale: {fairscale_version()}"])
-    if where.staged:
-        out.notes.append(SHARED_GPU_NOTE)
-    with tempfile.TemporaryDirectory(prefix="asyncpipe-suite-") as tmp:
-        work = args.keep_logs or Path(tmp)
-        if "reference" in args.parts:
-            out.rows = suite.run_reference(args, costs, work, where.staged)
-        if "2bw" in args.parts:
-            out.twobw = suite.run_twobw(args)
-        if "memory" in args.parts:
-            out.memory = suite.run_memory(args, costs, work)
-        if "bandwidth" in args.parts:
-            try:
-                out.bandwidth = suite.run_bandwidth(args)
-            except RuntimeError as exc:
-                out.notes.append(f"bandwidth: {exc}")
-        if "gpt" in args.parts:
-            out.gpt = gpt.run_systems(suite.gpt_options(args))
-    out.notes.append(
-        f"Load average before the runs: {load_before}; after: {_load()} (other work on the "
-        f"machine inflates the step times)"
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.list:
+        for part in PARTS:
+            keys = ", ".join(part.keys)
+            print(f"{part.name}: {part.what}; docs/{part.page} ({keys}); ~{part.minutes:g} min")
+            for command in commands(part, args):
+                print("    " + shlex.join(["python", *command[1:]]))
+        return 0
+    where = f"rewriting pages in {_shown(args.docs)}" if args.write else "not writing the docs"
+    print(
+        f"python -m benchmarks: {len(args.parts)} parts, {_minutes(args.parts, args.quick)}, "
+        f"{where}",
+        file=sys.stderr,
+        flush=True,
     )
-    seconds = time.monotonic() - started
-    command = shlex.join(["python", "-m", "benchmarks", *argv])
-    out.meta = [
-        f"Date: {datetime.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')}",
-        f"Machine: {_machine()}",
-        f"Device: {device_line}",
-        f"asyncpipe: commit {_revision()}",
-        f"Command: `{command}` ({seconds / 60:.1f} min)",
-        f"Reference workload: 8 layers, F = {args.f_ms:g} ms, micro-batch {args.micro_batch}, "
-        f"activations ({args.micro_batch}, 1024), {args.warmup} warm-up + {args.steps} timed "
-        f'steps per entry, checkpoint="never"; calibrated per layer: forward '
-        f"{costs.forward_s * 1e3:.2f} ms, backward {costs.backward_s * 1e3:.2f} ms, B "
-        f"{costs.input_s * 1e3:.2f} ms, W {costs.weight_s * 1e3:.2f} ms",
-    ]
-    _print(out)
-    if args.json is not None:
-        payload = {
-            **asdict(out),
-            "rows": [dict(asdict(r), vs_simulated=r.vs_simulated) for r in out.rows],
-        }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(payload, indent=2) + "\n")
-    if not args.no_write:
-        picture = None
-        if out.rows:
-            picture = plot(out.rows, args.plot, f"asyncpipe and peers: {device_line}")
-        section = _section(args, out, picture)
-        begin, end = _markers(args.device)
-        replace_section(args.markdown, section, begin, end, "# Benchmark suite\n")
-        print(f"wrote {args.markdown}" + (f" and {picture}" if picture else ""))
-    return 0
-
-
-def _print(out: Results) -> None:
-    print("\n".join(out.meta))
-    if out.rows:
-        print(text_table(REFERENCE_HEADER, reference_cells(out.rows)))
-        print("\nEach peer against asyncpipe's same kind of schedule:")
-        print(text_table(SUMMARY_HEADER, summary_cells(out.rows)))
-    if out.twobw:
-        print("\nPipeDream-2BW against 1F1B, steady state (no barrier between steps):")
-        print(suite.twobw_table(out.twobw))
-    if out.memory:
-        print("\nMemory, shape (4, 256, 1024), chunks 8, largest stage count:")
-        print(text_table(MEMORY_HEADER, memory_cells(out.memory)))
-    if out.bandwidth:
-        print(f"\nActivation bandwidth, 2 processes, {out.bandwidth['tensors']} tensors:")
-        print(bandwidth_table(out.bandwidth["bandwidth"], out.bandwidth["micro_batch"]))
-    if out.gpt:
-        print("\n" + gpt.table(out.gpt))
-    print("\n".join(out.notes))
-
-
-def _section(args: argparse.Namespace, out: Results, picture: Path | None) -> str:
-    begin, end = _markers(args.device)
-    title = "GPU" if args.device == "cuda" else "CPU"
-    body = [begin, f"## Results on the {title}", "", *(f"- {line}" for line in out.meta), ""]
-
-    def part(heading: str, *blocks: str) -> None:
-        body.extend([f"### {heading}", ""])
-        for block in blocks:
-            body.extend([block, ""])
-
-    if out.rows:
-        charts = []
-        if picture is not None:
-            charts.append(f"![step time / simulated ideal]({_relative(picture, args.markdown)})")
-        part(
-            "Reference workload: every schedule, transport and peer",
-            markdown_table(REFERENCE_HEADER, reference_cells(out.rows)),
-            *charts,
+    started = time.monotonic()
+    outcomes: list[tuple[Part, str, float]] = []
+    for n, part in enumerate(args.parts, 1):
+        left = _minutes(args.parts[n - 1 :], args.quick)
+        print(
+            f"\n[{n}/{len(args.parts)}] {part.name}: {part.what} -> "
+            f"{_shown(args.docs / part.page)} "
+            f"({left} left, {(time.monotonic() - started) / 60:.1f} min so far)",
+            file=sys.stderr,
+            flush=True,
         )
-        part("Each peer against asyncpipe", markdown_table(SUMMARY_HEADER, summary_cells(out.rows)))
-    if out.twobw:
-        part(
-            "PipeDream-2BW against 1F1B: steady state, no barrier between steps",
-            suite.twobw_table(out.twobw),
+        outcome, seconds = run_part(part, args)
+        outcomes.append((part, outcome, seconds))
+        print(f"[{n}/{len(args.parts)}] {part.name}: {outcome} in {seconds / 60:.1f} min",
+              file=sys.stderr, flush=True)  # fmt: skip
+    print(f"\nsummary ({(time.monotonic() - started) / 60:.1f} min):", file=sys.stderr)
+    for part, outcome, seconds in outcomes:
+        print(f"  {part.name:<15} {outcome} ({seconds / 60:.1f} min)", file=sys.stderr)
+    others = [k for p in args.parts for k in p.keys if k not in p.key_for(args.device)]
+    if args.write and others:
+        print(
+            f"  not rewritten by a run on this device ({args.device}): {', '.join(others)}",
+            file=sys.stderr,
         )
-    if out.memory:
-        part(
-            f"Memory: activations (4, 256, 1024), chunks 8, {max(args.stage_list)} stages",
-            markdown_table(MEMORY_HEADER, memory_cells(out.memory)),
-        )
-    if out.bandwidth:
-        part(
-            f"Activation bandwidth: 2 processes, {out.bandwidth['tensors']} tensors",
-            bandwidth_table(out.bandwidth["bandwidth"], out.bandwidth["micro_batch"]),
-        )
-    if out.gpt:
-        part(
-            "GPT model: training tokens per second",
-            gpt.describe(suite.gpt_options(args), out.gpt),
-            gpt.table(out.gpt),
-        )
-    body += [*(f"- {line}" for line in out.notes), end]
-    return "\n".join(body)
+    return 0 if all(outcome == "ok" for _, outcome, _ in outcomes) else 1
 
 
 if __name__ == "__main__":

@@ -5,12 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import platform
-import re
-import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -18,9 +13,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from .launch import LaunchResult, launch
+from .sections import load, machine, provenance, revision, write_section
 from .worker import SYSTEMS
 from .workload import (
     StageCosts,
@@ -77,38 +71,6 @@ class Row:
     @property
     def vs_calibrated(self) -> float | None:
         return None if self.step_s is None else self.step_s / self.calibrated_s
-
-
-def _machine() -> str:
-    return (
-        f"{platform.platform()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-        f"Python {platform.python_version()}"
-    )
-
-
-def _revision() -> str:
-    """The repository's commit, and whether asyncpipe/ had uncommitted changes."""
-    root = Path(__file__).resolve().parent.parent
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "asyncpipe"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown (not a git checkout)"
-    return f"{head}" + (" + uncommitted changes in asyncpipe/" if dirty else "")
 
 
 def _fairscale_status() -> str:
@@ -187,14 +149,6 @@ def format_breakdown(rows: list[Row], markdown: bool = False) -> str:
     lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True))]
     lines += ["  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True)) for line in cells]
     return "\n".join(lines)
-
-
-def _load() -> str:
-    try:
-        one, five, _ = os.getloadavg()
-    except OSError:
-        return "unknown"
-    return f"{one:.2f} (1 min), {five:.2f} (5 min)"
 
 
 def merge_rounds(rounds: list[list[Row]]) -> list[Row]:
@@ -402,19 +356,16 @@ def markdown_section(
     layers_per_stage: int,
     extra_lines: list[str],
     argv: list[str],
+    seconds: float | None = None,
 ) -> str:
-    begin, end = _markers(args.shape)
+    """The body of this shape's generated section (:func:`benchmarks.sections.write_section`
+    puts it between the markers)."""
     f = args.f_ms
     nominal_f, nominal_b = layers_per_stage * f, 2 * layers_per_stage * f
-    command = shlex.join(["python", "-m", "benchmarks.gpipe", *argv])
     body = [
-        begin,
         f"### Shape {args.shape}, F = {f:g} ms, micro-batch {args.micro_batch}",
         "",
-        f"- Date: {datetime.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')}",
-        f"- Machine: {_machine()}",
-        f"- asyncpipe: commit {_revision()}",
-        f"- Command: `{command}`",
+        *(f"- {line}" for line in provenance("benchmarks.gpipe", argv, seconds)),
         f"- {len(args.balance.split(','))} processes, gloo on loopback, balance "
         f'[{args.balance.replace(",", ", ")}], checkpoint="never", '
         f"{args.warmup} warm-up + {args.steps} timed steps per row"
@@ -434,34 +385,7 @@ def markdown_section(
     breakdown = format_breakdown(rows, markdown=True)
     if breakdown:
         body += ["", "asyncpipe's time per stage, mean ms per timed step:", "", breakdown]
-    body.append(end)
     return "\n".join(body)
-
-
-def _markers(shape: str) -> tuple[str, str]:
-    return (
-        f"<!-- begin: benchmarks.gpipe shape={shape} (generated; rerun to update) -->",
-        f"<!-- end: benchmarks.gpipe shape={shape} -->",
-    )
-
-
-def write_markdown(path: Path, section: str, shape: str) -> None:
-    """Replace this shape's generated section of ``path``, or append it (creating the file)."""
-    begin, end = _markers(shape)
-    replace_section(path, section, begin, end, "# Benchmarks\n")
-
-
-def replace_section(path: Path, section: str, begin: str, end: str, new_file: str) -> None:
-    """Replace the text from ``begin`` to ``end`` in ``path`` by ``section`` (which carries
-    both markers), or append it; a missing file starts as ``new_file``."""
-    text = path.read_text() if path.exists() else new_file
-    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.DOTALL)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section, text, count=1)
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text if text.endswith("\n") else text + "\n")
 
 
 def _parse_args(argv: list[str]) -> argparse.Namespace:
@@ -554,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
         cal for _, cal in ideals.values()
     )
 
-    load_before = _load()
+    load_before = load()
     rounds: list[list[Row]] = []
     with tempfile.TemporaryDirectory(prefix="asyncpipe-bench-") as tmp:
         for round_index in range(args.rounds):
@@ -576,11 +500,11 @@ def main(argv: list[str] | None = None) -> int:
     if (target := _target_line(rows, args)) is not None:
         extra.append(target)
     extra.append(
-        f"Load average before the runs: {load_before}; after: {_load()} "
+        f"Load average before the runs: {load_before}; after: {load()} "
         f"(anything else running on the machine inflates the step times)"
     )
     print()
-    print(f"{_machine()}; asyncpipe at commit {_revision()}")
+    print(f"{machine()}; asyncpipe at commit {revision()}")
     print(
         f"shape {args.shape}, F = {args.f_ms:g} ms, micro-batch {args.micro_batch}, "
         f"balance [{args.balance}], {args.warmup} warm-up + {args.steps} timed steps, "
@@ -600,8 +524,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None:
         payload = {
             "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "machine": _machine(),
-            "revision": _revision(),
+            "machine": machine(),
+            "revision": revision(),
             "config": {
                 "f_ms": args.f_ms,
                 "micro_batch": args.micro_batch,
@@ -621,8 +545,9 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(payload, indent=2) + "\n")
     if args.markdown is not None:
-        section = markdown_section(rows, args, costs, layers_per_stage, extra, argv)
-        write_markdown(args.markdown, section, args.shape)
+        seconds = time.monotonic() - started
+        section = markdown_section(rows, args, costs, layers_per_stage, extra, argv, seconds)
+        write_section(args.markdown, f"gpipe shape={args.shape}", section, "Benchmarks")
     return 0
 
 

@@ -1,7 +1,7 @@
 """GPT benchmark: training tokens per second of the example GPT with asyncpipe, with
 torch.distributed.pipelining and in one process, on the same model, split and data.
 
-Run ``python -m benchmarks.gpt`` (or as part of ``python -m benchmarks``). Every system builds
+Run ``python -m benchmarks.gpt`` (or as part of ``python -m benchmarks.suite``). Every system builds
 the model of ``examples/gpt.py`` from the same seed, trains it with AdamW on the same batches of
 ``examples/data/stdlib_docs.txt`` and reports the median step time, tokens per second and the
 loss of every step (the same model and data give the same losses, up to rounding). The pipelines

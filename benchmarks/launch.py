@@ -75,6 +75,11 @@ def _last_error(log: str) -> str:
     return lines[-1][:400] if lines else "<empty log>"
 
 
+def _target(module: str) -> list[str]:
+    """The interpreter's arguments that run ``module``: a module name or a script path."""
+    return [str(REPO_ROOT / module)] if module.endswith(".py") else ["-m", module]
+
+
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
     # Each worker runs in its own session, so its process group is exactly that worker and
     # whatever it started; nothing else is touched.
@@ -91,7 +96,8 @@ def launch(
     grace_s: float = 20.0,
     extra_env: dict[str, str] | None = None,
 ) -> LaunchResult:
-    """Run ``python -m module *args`` as ranks 0..world_size-1 with torchrun's environment.
+    """Run ``python -m module *args`` as ranks 0..world_size-1 with torchrun's environment
+    (``module`` may also be a script's path, relative to the repository, ending in ``.py``).
 
     Every rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1 and a
     MASTER_PORT that was free at launch, one intra-op thread, and a log file in ``log_dir``.
@@ -130,7 +136,7 @@ def launch(
             with log.open("wb") as handle:
                 procs.append(
                     subprocess.Popen(
-                        [sys.executable, "-m", module, *args],
+                        [sys.executable, *_target(module), *args],
                         cwd=REPO_ROOT,
                         env=env,
                         stdin=subprocess.DEVNULL,

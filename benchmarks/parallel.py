@@ -2,9 +2,10 @@
 stages) on four processes, the cost of the gradient all-reduce, and activations crossing stages
 in bfloat16 against float32.
 
-Run ``python -m benchmarks.parallel``; it launches its own worker processes (loopback, gloo),
-prints a table and writes it into ``docs/parallel_benchmarks.md``. The global batch is the same
-for every layout (8 micro-batches of 4 rows): a replica of ``D`` runs ``8 / D`` micro-batches.
+Run ``python -m benchmarks.parallel``; it launches its own worker processes (loopback, gloo)
+and prints a table; ``--markdown docs/parallel_benchmarks.md`` also writes it into that page.
+The global batch is the same for every layout (8 micro-batches of 4 rows): a replica of ``D``
+runs ``8 / D`` micro-batches.
 """
 
 from __future__ import annotations
@@ -19,15 +20,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .gpipe import replace_section
 from .launch import launch_workers
+from .sections import provenance, write_section
 from .worker import _loss, timed_steps, write_record
 from .workload import SHAPES, build_model, make_batch
 
 __all__ = ["main"]
 
-BEGIN, END = "<!-- parallel:begin -->", "<!-- parallel:end -->"
-DOC = Path(__file__).resolve().parent.parent / "docs" / "parallel_benchmarks.md"
 LAYOUTS = ((1, 4), (2, 2), (4, 1))
 MICRO = 4
 
@@ -120,26 +119,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--f-ms", type=float, default=3.0, help="forward sleep per layer (ms)")
     parser.add_argument("--shape", choices=("small", "large"), default="large")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per layout")
-    parser.add_argument("--no-write", action="store_true", help="print only; leave docs alone")
+    parser.add_argument(
+        "--markdown", type=Path, default=None, help="page to write the table in (its section)"
+    )
     args = parser.parse_args(argv)
     if args.worker:
         return worker(args)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    started = time.monotonic()
     try:
-        records = launch_workers(
-            "benchmarks.parallel", argv if argv is not None else sys.argv[1:], 4, 1
-        )
+        records = launch_workers("benchmarks.parallel", argv, 4, 1)
     except RuntimeError as e:
         print(e, file=sys.stderr)
         return 1
-    record = records[0]
-    table = _table(record, args)
+    table = _table(records[0], args)
     print(table)
-    if not args.no_write:
-        section = (
-            f"{BEGIN}\n\nMeasured with `python -m benchmarks.parallel` on 2 CPU cores, torch "
-            f"{torch.__version__}.\n\n{table}\n\n{END}"
-        )
-        replace_section(DOC, section, BEGIN, END, "# Data parallel x pipeline benchmarks\n")
+    if args.markdown is not None:
+        lines = provenance("benchmarks.parallel", argv, time.monotonic() - started)
+        body = "\n".join(f"- {line}" for line in lines) + "\n\n" + table
+        write_section(args.markdown, "parallel", body, "Data parallel x pipeline benchmarks")
     return 0
 
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from .launch import launch
+from .sections import provenance, write_section
 from .workload import SHAPES, build_model
 
 __all__ = ["main"]
@@ -159,7 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--chunk-options", default="", help="chunk counts plan may choose (default: all)"
     )
-    parser.add_argument("--schedule", default="gpipe")
+    parser.add_argument("--schedule", default="gpipe", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--schedules", default="gpipe,1f1b,zero_bubble", help="schedules plan may choose"
+    )
     parser.add_argument("--balance", default="2,2,2,2")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8)
@@ -171,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", default="")
     parser.add_argument("--logs", default="")
+    parser.add_argument("--markdown", type=Path, default=None, help="page to write the table in")
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     if args.worker:
         return _worker(args)
@@ -179,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from asyncpipe import balance
 
+    started, load_before = time.monotonic(), os.getloadavg()[0]
     torch.set_num_threads(1)
     model = build_model(args.f_ms, 8)
     sample = torch.randn(args.batch, *SHAPES[args.shape])
@@ -192,14 +199,23 @@ def main(argv: list[str] | None = None) -> int:
         args.world,
         args.batch,
         chunks=options,
-        schedules=("gpipe", "1f1b", "zero_bubble"),
+        schedules=tuple(s for s in args.schedules.split(",") if s),
         link=link,
     )
-    print(f"reference workload: 8 layers, F = {args.f_ms} ms, batch {args.batch}, {args.shape}")
+    head = (
+        f"Reference workload: 8 layers, F = {args.f_ms:g} ms, {args.shape} shape, a batch of "
+        f"{args.batch} rows on up to {args.world} processes; measured: the slowest rank's step, "
+        f"median of {args.steps} after {args.warmup} warm-up"
+    )
+    print(head)
     print(ranking.table(8))
     print(ranking.reason)
-    print("\n| configuration | predicted (ms) | measured (ms) | measured / predicted | load |")
-    print("|---|---:|---:|---:|---:|")
+    table = [
+        "| configuration | predicted (ms) | measured (ms) | measured / predicted | load |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    print("\n" + "\n".join(table))
+    best = ranking.best
     for candidate in _chosen(ranking):
         if args.fresh:  # predict again from a profile (and link) taken just before the run
             profile = balance.profile(model, sample, rows=[1, args.batch], repeat=args.repeat)
@@ -218,11 +234,35 @@ def main(argv: list[str] | None = None) -> int:
             f"{candidate.schedule}, {candidate.stages} stages, {candidate.chunks} chunks, "
             f"balance {list(candidate.balance)}"
         )
-        print(
+        if (candidate.schedule, candidate.stages, candidate.chunks) == (
+            best.schedule,
+            best.stages,
+            best.chunks,
+        ):
+            name += " (the best)"
+        table.append(
             f"| {name} | {candidate.seconds * 1e3:.1f} | {measured * 1e3:.1f} | "
-            f"{measured / candidate.seconds:.2f} | {os.getloadavg()[0]:.1f} |",
-            flush=True,
+            f"{measured / candidate.seconds:.2f} | {os.getloadavg()[0]:.1f} |"
         )
+        print(table[-1], flush=True)
+    if args.markdown is not None:
+        body = [
+            *(f"- {line}" for line in provenance("benchmarks.plan_check", argv)),
+            f"- {head}",
+            f"- Link: {link}",
+            f"- Load average before: {load_before:.1f}; the load column is the 1-minute "
+            "average after each row",
+            "",
+            "What `plan` said before the runs:",
+            "",
+            "```text",
+            ranking.reason,
+            "```",
+            "",
+            *table,
+        ]
+        body += ["", f"(the whole check took {(time.monotonic() - started) / 60:.1f} min)"]
+        write_section(args.markdown, "plan_check", "\n".join(body), "Cut points")
     return 0
 
 

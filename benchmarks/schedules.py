@@ -6,7 +6,6 @@ import argparse
 import datetime
 import json
 import re
-import shlex
 import statistics
 import sys
 import tempfile
@@ -16,10 +15,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .gpipe import _load, _machine, _read_records, _revision, replace_section
+from .gpipe import _read_records
 from .launch import LaunchResult, launch
 from .peers import FAIRSCALE
 from .schedule_worker import ASYNCPIPE, PEERS, SYSTEMS
+from .sections import load, machine, provenance, revision, write_section
 from .workload import FEATURES, SHAPES, LayerCosts, calibrate_layer
 
 if TYPE_CHECKING:
@@ -269,7 +269,7 @@ def _hops(runs: list[dict[str, Any]]) -> list[float]:
 def _worker_args(
     args: argparse.Namespace, entries: str, shape: str, out: Path, memory: bool
 ) -> list[str]:
-    # Options only the suite (python -m benchmarks) sets: memory sampled in timing runs too,
+    # Options only the suite (python -m benchmarks.suite) sets: memory sampled in timing runs too,
     # the transport and device of asyncpipe's systems, fairscale Pipe's partitions.
     sample = memory or getattr(args, "sample_memory", False)
     extra = [
@@ -697,9 +697,6 @@ def write_timelines(
 
 # ----- markdown ----------------------------------------------------------------------------
 
-BEGIN = "<!-- begin: benchmarks.schedules (generated; rerun to update) -->"
-END = "<!-- end: benchmarks.schedules -->"
-
 
 def _calibration_text(calibrations: list[LayerCosts]) -> str:
     if len(calibrations) == 1:
@@ -725,17 +722,16 @@ def markdown_section(
     notes: list[str],
     timelines: list[Path],
     markdown_path: Path,
+    seconds: float | None = None,
 ) -> str:
+    """The body of the generated section (:func:`benchmarks.sections.write_section` puts it
+    between the markers)."""
     f = args.f_ms
     per = args.layers // args.ranks
     body = [
-        BEGIN,
         f"### Results: F = {f:g} ms, micro-batch {args.micro_batch}, shape {args.shape}",
         "",
-        f"- Date: {datetime.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')}",
-        f"- Machine: {_machine()}",
-        f"- asyncpipe: commit {_revision()}",
-        f"- Command: `{shlex.join(['python', '-m', 'benchmarks.schedules', *argv])}`",
+        *(f"- {line}" for line in provenance("benchmarks.schedules", argv, seconds)),
         f"- {args.ranks} processes, gloo on loopback, {args.layers} layers ({per} per rank; "
         f"interleaved and the 2-stages-per-rank peers: 1 per model chunk), "
         f'checkpoint="never", {args.warmup} warm-up + {args.steps} timed steps per entry, '
@@ -773,7 +769,6 @@ def markdown_section(
             except ValueError:
                 rel = path
             body += [f"![{path.stem}]({rel.as_posix()})", ""]
-    body.append(END)
     return "\n".join(body)
 
 
@@ -800,11 +795,6 @@ def _breakdown_markdown(rows: list[Row]) -> str:
                 + [_ms(row.hop_s) if rank == 0 else ""]
             )
     return _markdown(header, cells) if cells else ""
-
-
-def write_markdown(path: Path, section: str) -> None:
-    """Replace the generated section of ``path``, or append it (creating the file)."""
-    replace_section(path, section, BEGIN, END, "# Schedule benchmarks\n")
 
 
 # ----- command line ------------------------------------------------------------------------
@@ -905,7 +895,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.memory_list and args.memory_shape != args.shape
         else costs
     )
-    load_before = _load()
+    load_before = load()
     calibrations = [costs]
     rows: list[Row] = []
     memory: list[MemoryRow] = []
@@ -921,7 +911,7 @@ def main(argv: list[str] | None = None) -> int:
             simulate_rows([r for r in rows if r.error is None], args, costs)
         if args.memory_list:
             memory = run_memory(args, memory_costs, work)
-    load_after = _load()
+    load_after = load()
     timelines: list[Path] = []
     if args.timelines is not None:
         timelines = write_timelines(
@@ -939,7 +929,7 @@ def main(argv: list[str] | None = None) -> int:
         f"running on the machine inflates the step times)"
     )
     print()
-    print(f"{_machine()}; asyncpipe at commit {_revision()}")
+    print(f"{machine()}; asyncpipe at commit {revision()}")
     print(
         f"F = {args.f_ms:g} ms, micro-batch {args.micro_batch}, shape {args.shape}, "
         f"{args.ranks} ranks, {args.layers} layers, {args.warmup} warm-up + {args.steps} timed "
@@ -961,8 +951,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None:
         payload = {
             "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "machine": _machine(),
-            "revision": _revision(),
+            "machine": machine(),
+            "revision": revision(),
             "argv": argv,
             "calibration": asdict(costs),
             "calibrations": [asdict(c) for c in calibrations],
@@ -975,10 +965,11 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(payload, indent=2) + "\n")
     if args.markdown is not None:
+        seconds = time.monotonic() - started
         section = markdown_section(
-            args, argv, calibrations, costs, rows, memory, notes, timelines, args.markdown
+            args, argv, calibrations, costs, rows, memory, notes, timelines, args.markdown, seconds
         )
-        write_markdown(args.markdown, section)
+        write_section(args.markdown, "schedules", section, "Schedule benchmarks")
     return 0
 
 

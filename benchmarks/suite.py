@@ -1,245 +1,259 @@
-"""The whole benchmark suite: every schedule and transport against the peers, memory, bandwidth
-and the GPT model, in one run (``python -m benchmarks``)."""
+"""``python -m benchmarks.suite``: every schedule and transport against the peers, memory,
+bandwidth and the GPT model in one run, written into the benchmark suite page."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
-from dataclasses import dataclass, field
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import gpt, schedules
-from .gpu import SHARED_GPU_PEERS
-from .launch import launch_workers
-from .peers import FAIRSCALE
-from .schedule_worker import ASYNCPIPE, PEERS
-from .workload import LayerCosts
+import torch
 
-__all__ = [
-    "LINKS",
-    "PARTS",
-    "SuiteRow",
-    "gpt_options",
-    "run_bandwidth",
-    "run_memory",
-    "run_reference",
-    "run_twobw",
-    "twobw_table",
-]
+from . import gpt
+from . import suite_runs as runs
+from .gpu import SHARED_GPU_NOTE, placement
+from .launch import REPO_ROOT
+from .peers import fairscale_version
+from .schedules import MEMORY_HEADER, MemoryRow, memory_cells
+from .sections import load, provenance, write_section
+from .suite_report import (
+    REFERENCE_HEADER,
+    SUMMARY_HEADER,
+    markdown_table,
+    plot,
+    reference_cells,
+    summary_cells,
+    text_table,
+)
+from .transports import bandwidth_table
+from .workload import calibrate_layer
 
-PARTS = ("reference", "2bw", "memory", "bandwidth", "gpt")
-"""What the suite runs: the reference workload's step times for every system, PipeDream-2BW's
-steady state against 1F1B's, peak memory of asyncpipe's schedules on the transfer-heavy shape,
-activation bandwidth, and the GPT model."""
+__all__: list[str] = []
 
-TORCH_PEERS = tuple(PEERS)
-"""torch.distributed.pipelining's schedules, run beside asyncpipe over p2p."""
+DOC = REPO_ROOT / "docs" / "benchmark_suite.md"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.suite",
+        description="Run the benchmark suite: every asyncpipe schedule over p2p and rpc against "
+        "torch.distributed.pipelining and fairscale on the reference workload, PipeDream-2BW "
+        "against 1F1B, peak memory, activation bandwidth and the GPT model; print the tables "
+        "and, with --markdown, write them (and a bar chart) into that page.",
+    )
+    parser.add_argument("--quick", action="store_true", help="4 stages, chunks 8, few steps")
+    parser.add_argument(
+        "--only",
+        default=",".join(runs.PARTS),
+        help=f"parts to run (default {','.join(runs.PARTS)})",
+    )
+    parser.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="auto (default): CUDA where available",
+    )
+    parser.add_argument("--stages", default=None, help="pipeline ranks (default 2,4)")
+    parser.add_argument("--chunks", default=None, help="micro-batches (default 4,8,16)")
+    parser.add_argument("--f-ms", type=float, default=5.0, help="forward sleep per layer, ms (5)")
+    parser.add_argument("--micro-batch", type=int, default=4, help="rows per micro-batch (4)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 6)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps (default 2)")
+    parser.add_argument("--messages", type=int, default=None, help="bandwidth messages (300)")
+    parser.add_argument(
+        "--markdown",
+        type=Path,
+        default=None,
+        help=f"page whose section of this device to write (e.g. {DOC.relative_to(REPO_ROOT)}); "
+        "without it the run only prints",
+    )
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        help="bar chart (default: _static/benchmark_suite_<device>.png beside the page)",
+    )
+    parser.add_argument("--json", type=Path, default=None, help="write every number here")
+    parser.add_argument("--keep-logs", type=Path, default=None, help="keep worker files here")
+    args = parser.parse_args(argv)
+    args.parts = [p for p in args.only.split(",") if p]
+    unknown = [p for p in args.parts if p not in runs.PARTS]
+    if unknown:
+        parser.error(f"unknown parts {unknown}; choose from {', '.join(runs.PARTS)}")
+    args.device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
+    args.device = "cpu" if args.device == "auto" else args.device
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch.cuda.is_available() is False on this machine")
+    quick = args.quick
+    args.stage_list = [int(s) for s in (args.stages or ("4" if quick else "2,4")).split(",")]
+    args.chunk_list = [int(c) for c in (args.chunks or ("8" if quick else "4,8,16")).split(",")]
+    args.steps = args.steps or (3 if quick else 6)
+    args.warmup = args.warmup if args.warmup is not None else (1 if quick else 2)
+    args.messages = args.messages or (60 if quick else 300)
+    args.layers = 8
+    if any(8 % (2 * s) for s in args.stage_list):
+        parser.error("--stages: each must divide 4 (8 layers, interleaved with 2 per rank)")
+    if args.markdown is not None:
+        default_plot = args.markdown.parent / "_static" / f"benchmark_suite_{args.device}.png"
+        args.plot = args.plot or default_plot
+    return args
 
 
 @dataclass
-class SuiteRow:
-    """One (stages, chunks, system, transport) result on the reference workload."""
+class Results:
+    """Everything one run of the suite measured."""
 
-    stages: int
-    chunks: int
-    system: str
-    transport: str
-    """``p2p`` or ``rpc`` for asyncpipe; how the peer talks otherwise."""
-    step_s: float | None = None
-    simulated_s: float | None = None
-    memory: list[float] = field(default_factory=list)
-    peak_activations: list[int] = field(default_factory=list)
-    error: str | None = None
-
-    @property
-    def key(self) -> str:
-        """The system and its transport, e.g. ``asyncpipe-1f1b/rpc``."""
-        return f"{self.system}/{self.transport}"
-
-    @property
-    def vs_simulated(self) -> float | None:
-        if self.step_s is None or not self.simulated_s:
-            return None
-        return self.step_s / self.simulated_s
+    meta: list[str] = field(default_factory=list)
+    rows: list[runs.SuiteRow] = field(default_factory=list)
+    twobw: list[dict[str, Any]] = field(default_factory=list)
+    memory: list[MemoryRow] = field(default_factory=list)
+    bandwidth: dict[str, Any] = field(default_factory=dict)
+    gpt: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
 
-def _schedule_args(args: argparse.Namespace, stages: int, **changes: Any) -> argparse.Namespace:
-    """The namespace :mod:`benchmarks.schedules` reads, for one group of ``stages`` ranks."""
-    values = {
-        "f_ms": args.f_ms,
-        "micro_batch": args.micro_batch,
-        "shape": "small",
-        "ranks": stages,
-        "layers": args.layers,
-        "virtual_stages": 2,
-        "warmup": args.warmup,
-        "steps": args.steps,
-        "rounds": 1,
-        "timeout": None,
-        "pg_timeout": 60.0,
-        "chunk_list": args.chunk_list,
-        "system_list": [],
-        "memory_list": [],
-        "memory_shape": "large",
-        "memory_chunks": 8,
-        "memory_steps": 3,
-        "transport": "p2p",
-        "device": args.device,
-        "sample_memory": True,
-        "pipe_stages": stages,
-    }
-    values.update(changes)
-    return argparse.Namespace(**values)
+def key(device: str) -> str:
+    """The key of a device's generated section of the suite's page."""
+    return f"suite device={device}"
 
 
-LINKS = {**{p: "gloo" for p in TORCH_PEERS}, "fairscale-asyncpipe": "rpc", "fairscale-pipe": "-"}
-"""How each peer's stages talk (fairscale's Pipe is one process: its stages share memory)."""
+def _relative(path: Path, page: Path) -> str:
+    try:
+        return path.resolve().relative_to(page.resolve().parent).as_posix()
+    except ValueError:
+        return path.as_posix()
 
 
-def _suite_row(row: schedules.Row, stages: int, transport: str) -> SuiteRow:
-    return SuiteRow(
-        stages,
-        row.chunks,
-        row.system,
-        LINKS.get(row.system, transport),
-        row.step_s,
-        row.simulated_s,
-        list(row.memory),
-        list(row.peak_activations),
-        row.error,
-    )
-
-
-def run_reference(
-    args: argparse.Namespace, costs: LayerCosts, work: Path, shared_gpu: bool
-) -> list[SuiteRow]:
-    """Every asyncpipe schedule over p2p and rpc, torch.distributed.pipelining's schedules and
-    fairscale's AsyncPipe and Pipe, for each stage count and chunk count.
-
-    Three groups per stage count: asyncpipe over p2p with torch's peers, asyncpipe over rpc with
-    fairscale's AsyncPipe (both need RPC), and fairscale's one-process Pipe alone. A peer that
-    fails is reported with its error; on a shared GPU the peers that cannot run are marked.
-    """
-    ours = list(ASYNCPIPE)
-    torch_peers = [] if shared_gpu else list(TORCH_PEERS)
-    fairscale_rpc = [] if shared_gpu else ["fairscale-asyncpipe"]
-    out: list[SuiteRow] = []
-    for stages in args.stage_list:
-        groups = [
-            ("p2p", ours + torch_peers, stages),
-            ("rpc", ours + fairscale_rpc, stages),
-            ("p2p", ["fairscale-pipe"], 1),  # one process; the transport is unused
-        ]
-        found: list[SuiteRow] = []
-        for n, (transport, systems, ranks) in enumerate(groups):
-            print(f"{stages} stages, {transport}: {', '.join(systems)}", file=sys.stderr)
-            sub = _schedule_args(
-                args,
-                stages,
-                system_list=systems,
-                transport=transport,
-                ranks=ranks,
-                timeout=_timeout(args, stages, len(systems)),
-            )
-            rows = schedules.run_timing(sub, costs, work / f"{stages}-{n}")
-            # Now the peers' recorded plans are known: simulate them too.
-            schedules.simulate_rows([r for r in rows if r.error is None], sub, costs)
-            found += [_suite_row(row, stages, transport) for row in rows]
-        if shared_gpu:
-            found += [
-                SuiteRow(stages, c, peer, LINKS[peer], error=SHARED_GPU_PEERS)
-                for peer in [*TORCH_PEERS, "fairscale-asyncpipe"]
-                for c in args.chunk_list
-            ]
-        _peer_ideals(found)
-        out += found
-    return out
-
-
-def _timeout(args: argparse.Namespace, stages: int, systems: int) -> float:
-    """Seconds before a group is killed: 5 times the nominal GPipe time of all its steps (a
-    shared machine can be that slow) plus start-up, or the one-process time for one rank."""
-    per_layer = 3 * args.f_ms / 1000
-    steps = args.warmup + args.steps
-    total = sum((c + stages - 1) * per_layer * args.layers / stages for c in args.chunk_list)
-    serial = sum(c * per_layer * args.layers for c in args.chunk_list)
-    return 180.0 + 5.0 * steps * systems * max(total, serial / stages)
-
-
-def _peer_ideals(rows: list[SuiteRow]) -> None:
-    """fairscale's systems run fill-drain: their ideal is asyncpipe's GPipe plan's."""
-    gpipe = {
-        r.chunks: r.simulated_s for r in rows if r.system == "asyncpipe-gpipe" and r.simulated_s
-    }
-    for row in rows:
-        if row.system in FAIRSCALE and row.simulated_s is None:
-            row.simulated_s = gpipe.get(row.chunks)
-
-
-def run_memory(
-    args: argparse.Namespace, costs: LayerCosts, work: Path
-) -> list[schedules.MemoryRow]:
-    """asyncpipe's schedules one at a time on the transfer-heavy shape: peak memory per rank."""
-    stages = max(args.stage_list)
-    sub = _schedule_args(args, stages, memory_list=list(ASYNCPIPE), sample_memory=False)
-    return schedules.run_memory(sub, costs, work / "memory")
-
-
-def run_bandwidth(args: argparse.Namespace) -> dict[str, Any]:
-    """Activation bandwidth between two processes: raw send/recv, p2p and rpc."""
-    argv = ["--bandwidth-only", "--messages", str(args.messages), "--device", args.device]
-    records = launch_workers("benchmarks.transports", argv, 2, 2, timeout_s=600)
-    return dict(records[1], micro_batch=8)
-
-
-def run_twobw(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """PipeDream-2BW against 1F1B in the steady state, per stage count and chunk count.
-
-    2BW keeps the pipeline full across steps, so a barrier before each step (as the reference
-    part times) would measure something else: :mod:`benchmarks.twobw` times consecutive steps
-    with no barrier between them on every rank. The no-bubble limit is one stage's compute per
-    step, ``M * 3F * L``.
-    """
-    out: list[dict[str, Any]] = []
-    for stages in args.stage_list:
-        for chunks in args.chunk_list:
-            argv = [
-                f"--f-ms={args.f_ms}", f"--chunks={chunks}", f"--micro-batch={args.micro_batch}",
-                "--shape=small", f"--warmup={args.warmup}", f"--steps={args.steps}",
-            ]  # fmt: skip
-            limit = chunks * 3 * args.f_ms / 1000 * args.layers / stages
-            row: dict[str, Any] = {"stages": stages, "chunks": chunks, "limit_s": limit}
-            print(f"2bw and 1f1b, {stages} stages, chunks {chunks}", file=sys.stderr)
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    started = time.monotonic()
+    where = placement(args.device, max(args.stage_list), rank=0)
+    device_line = where.describe(max(args.stage_list))
+    print(f"device: {device_line}", file=sys.stderr)
+    costs = calibrate_layer(args.f_ms, args.micro_batch, "small")
+    load_before = load()
+    out = Results(notes=[f"fairscale: {fairscale_version()}"])
+    if where.staged:
+        out.notes.append(SHARED_GPU_NOTE)
+    with tempfile.TemporaryDirectory(prefix="asyncpipe-suite-") as tmp:
+        work = args.keep_logs or Path(tmp)
+        if "reference" in args.parts:
+            out.rows = runs.run_reference(args, costs, work, where.staged)
+        if "2bw" in args.parts:
+            out.twobw = runs.run_twobw(args)
+        if "memory" in args.parts:
+            out.memory = runs.run_memory(args, costs, work)
+        if "bandwidth" in args.parts:
             try:
-                records = launch_workers("benchmarks.twobw", argv, stages, stages, 600)
+                out.bandwidth = runs.run_bandwidth(args)
             except RuntimeError as exc:
-                out.append(dict(row, error=str(exc)))
-                continue
-            for schedule in ("1f1b", "2bw"):
-                row[f"{schedule}_s"] = max(r[schedule]["step_s"] for r in records)
-            out.append(row)
-    return out
-
-
-def twobw_table(rows: list[dict[str, Any]]) -> str:
-    """The markdown table of :func:`run_twobw`'s rows."""
-    lines = [
-        "| stages | chunks | 1f1b ms | 2bw ms | no-bubble limit ms | 2bw / limit | 2bw / 1f1b |",
-        "|---|---|---:|---:|---:|---:|---:|",
+                out.notes.append(f"bandwidth: {exc}")
+        if "gpt" in args.parts:
+            out.gpt = gpt.run_systems(runs.gpt_options(args))
+    out.notes.append(
+        f"Load average before the runs: {load_before}; after: {load()} (other work on the "
+        f"machine inflates the step times)"
+    )
+    seconds = time.monotonic() - started
+    lines = provenance("benchmarks.suite", argv, seconds)
+    out.meta = [
+        *lines[:2],
+        f"Device: {device_line}",
+        *lines[2:],
+        f"Reference workload: 8 layers, F = {args.f_ms:g} ms, micro-batch {args.micro_batch}, "
+        f"activations ({args.micro_batch}, 1024), {args.warmup} warm-up + {args.steps} timed "
+        f'steps per entry, checkpoint="never"; calibrated per layer: forward '
+        f"{costs.forward_s * 1e3:.2f} ms, backward {costs.backward_s * 1e3:.2f} ms, B "
+        f"{costs.input_s * 1e3:.2f} ms, W {costs.weight_s * 1e3:.2f} ms",
     ]
-    for r in rows:
-        head = f"| {r['stages']} | {r['chunks']} |"
-        if "error" in r:
-            lines.append(f"{head} did not run: {r['error']} | | | | |")
-            continue
-        lines.append(
-            f"{head} {r['1f1b_s'] * 1e3:.1f} | {r['2bw_s'] * 1e3:.1f} | {r['limit_s'] * 1e3:.1f} "
-            f"| {r['2bw_s'] / r['limit_s']:.2f}x | {r['2bw_s'] / r['1f1b_s']:.2f}x |"
+    _print(out)
+    if args.json is not None:
+        payload = {
+            **asdict(out),
+            "rows": [dict(asdict(r), vs_simulated=r.vs_simulated) for r in out.rows],
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+    if args.markdown is not None:
+        picture = None
+        if out.rows:
+            picture = plot(out.rows, args.plot, f"asyncpipe and peers: {device_line}")
+        section = _section(args, out, picture)
+        write_section(args.markdown, key(args.device), section, "Benchmark suite")
+        if picture:
+            print(f"wrote {picture}")
+    return 0
+
+
+def _print(out: Results) -> None:
+    print("\n".join(out.meta))
+    if out.rows:
+        print(text_table(REFERENCE_HEADER, reference_cells(out.rows)))
+        print("\nEach peer against asyncpipe's same kind of schedule:")
+        print(text_table(SUMMARY_HEADER, summary_cells(out.rows)))
+    if out.twobw:
+        print("\nPipeDream-2BW against 1F1B, steady state (no barrier between steps):")
+        print(runs.twobw_table(out.twobw))
+    if out.memory:
+        print("\nMemory, shape (4, 256, 1024), chunks 8, largest stage count:")
+        print(text_table(MEMORY_HEADER, memory_cells(out.memory)))
+    if out.bandwidth:
+        print(f"\nActivation bandwidth, 2 processes, {out.bandwidth['tensors']} tensors:")
+        print(bandwidth_table(out.bandwidth["bandwidth"], out.bandwidth["micro_batch"]))
+    if out.gpt:
+        print("\n" + gpt.table(out.gpt))
+    print("\n".join(out.notes))
+
+
+def _section(args: argparse.Namespace, out: Results, picture: Path | None) -> str:
+    title = "GPU" if args.device == "cuda" else "CPU"
+    body = [f"## Results on the {title}", "", *(f"- {line}" for line in out.meta), ""]
+
+    def part(heading: str, *blocks: str) -> None:
+        body.extend([f"### {heading}", ""])
+        for block in blocks:
+            body.extend([block, ""])
+
+    if out.rows:
+        charts = []
+        if picture is not None:
+            charts.append(f"![step time / simulated ideal]({_relative(picture, args.markdown)})")
+        part(
+            "Reference workload: every schedule, transport and peer",
+            markdown_table(REFERENCE_HEADER, reference_cells(out.rows)),
+            *charts,
         )
-    return "\n".join(lines)
+        part("Each peer against asyncpipe", markdown_table(SUMMARY_HEADER, summary_cells(out.rows)))
+    if out.twobw:
+        part(
+            "PipeDream-2BW against 1F1B: steady state, no barrier between steps",
+            runs.twobw_table(out.twobw),
+        )
+    if out.memory:
+        part(
+            f"Memory: activations (4, 256, 1024), chunks 8, {max(args.stage_list)} stages",
+            markdown_table(MEMORY_HEADER, memory_cells(out.memory)),
+        )
+    if out.bandwidth:
+        part(
+            f"Activation bandwidth: 2 processes, {out.bandwidth['tensors']} tensors",
+            bandwidth_table(out.bandwidth["bandwidth"], out.bandwidth["micro_batch"]),
+        )
+    if out.gpt:
+        part(
+            "GPT model: training tokens per second",
+            gpt.describe(runs.gpt_options(args), out.gpt),
+            gpt.table(out.gpt),
+        )
+    body += [f"- {line}" for line in out.notes]
+    return "\n".join(body)
 
 
-def gpt_options(args: argparse.Namespace) -> argparse.Namespace:
-    """The options of :mod:`benchmarks.gpt` for this run: its full or quick size, this device."""
-    return gpt.parse_args(["--device", args.device, *(["--quick"] if args.quick else [])])
+if __name__ == "__main__":
+    raise SystemExit(main())

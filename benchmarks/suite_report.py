@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .schedules import LABELS, MATCH, _markdown, _ms, _text, _x
-from .suite import LINKS, SuiteRow
+from .suite_runs import LINKS, SuiteRow
 
 __all__ = [
     "REFERENCE_HEADER",

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from .launch import launch
+from .sections import load, provenance, write_section
 from .workload import build_model, make_batch
 
 __all__ = ["main"]
@@ -99,6 +100,52 @@ def _ms(values: list[float]) -> str:
     return ", ".join(f"{v * 1e3:.1f}" for v in values)
 
 
+def _span(values: list[float], digits: int = 2) -> str:
+    """``a`` or ``a to b`` in ms."""
+    low, high = min(values) * 1e3, max(values) * 1e3
+    return (
+        f"{low:.{digits}f}"
+        if f"{low:.{digits}f}" == f"{high:.{digits}f}"
+        else (f"{low:.{digits}f} to {high:.{digits}f}")
+    )
+
+
+def report(record: dict[str, Any], args: argparse.Namespace) -> list[str]:
+    """The results as markdown: a table of what tracing costs per step, and the wall clock."""
+    plain_blocks, traced_blocks = record["blocks"]["plain"], record["blocks"]["traced"]
+    plain, traced = statistics.median(plain_blocks), statistics.median(traced_blocks)
+    ratios = [t / p for p, t in zip(plain_blocks, traced_blocks, strict=True)]
+    loop = record["end_step"]
+    medians = [statistics.median(spent) for spent in loop]
+    means = [statistics.mean(spent) for spent in loop]
+    writer = record["writer_cpu"]
+    drawn = len(writer) // args.every
+    images = sorted(writer)[-drawn:] if drawn else []
+    image = f"{statistics.mean(images) * 1e3:.0f} ms" if images else "none drawn in this run"
+    return [
+        "| per step | rank 0 | other ranks |",
+        "|---|---|---|",
+        f"| the training loop's share (timing, payload, hand-over), median / mean | "
+        f"{medians[0] * 1e3:.2f} / {means[0] * 1e3:.2f} ms | {_span(medians[1:])} / "
+        f"{_span(means[1:])} ms |",
+        f"| rank 0's writer thread, CPU time, median / mean | "
+        f"{statistics.median(writer) * 1e3:.2f} / {statistics.mean(writer) * 1e3:.2f} ms "
+        f"| none |",
+        f"| of which a timeline image (every {args.every} steps) | {image} | none |",
+        "",
+        f"- Against the untraced step ({plain * 1e3:.1f} ms): the training loop's share on "
+        f"rank 0 is {medians[0] / plain:.2%} of the step at the median "
+        f"({means[0] / plain:.2%} at the mean), the writer thread's "
+        f"{statistics.mean(writer) / plain:.2%} of one core's time.",
+        f"- Wall clock, {args.rounds} pair(s) of blocks of {args.steps} untraced and "
+        f"{args.steps} traced steps in the same processes: {plain * 1e3:.1f} ms untraced and "
+        f"{traced * 1e3:.1f} ms traced per step (medians of the blocks), "
+        f"**{(traced / plain - 1) * 100:+.1f} %**; the median of the pairs is "
+        f"{(statistics.median(ratios) - 1) * 100:+.2f} %, the pairs range from "
+        f"{(min(ratios) - 1) * 100:+.1f} % to {(max(ratios) - 1) * 100:+.1f} %.",
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--f-ms", type=float, default=3.0, help="forward sleep per layer (ms)")
@@ -106,13 +153,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20, help="steps per block")
     parser.add_argument("--rounds", type=int, default=10, help="plain/traced block pairs")
     parser.add_argument("--every", type=int, default=50, help="trace_every (timeline images)")
+    parser.add_argument("--markdown", type=Path, default=None, help="page to write the table in")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--trace-dir", default="", help=argparse.SUPPRESS)
     parser.add_argument("--out", default="", help=argparse.SUPPRESS)
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     if args.worker:
         worker(args)
         return 0
+    started, load_before = time.monotonic(), load()
     with tempfile.TemporaryDirectory() as scratch:
         out = Path(scratch) / "result.json"
         forwarded = [
@@ -127,33 +177,24 @@ def main(argv: list[str] | None = None) -> int:
             print(result.log_tail(0), file=sys.stderr)
             return 1
         record = json.loads(out.read_text())
-    plain = statistics.median(record["blocks"]["plain"])
-    traced = statistics.median(record["blocks"]["traced"])
-    ms = 1e3
-    print(
-        f"reference workload: F = {args.f_ms:g} ms, chunks {args.chunks}, 4 processes, "
-        f"{args.rounds} x {args.steps} steps each, trace_every {args.every}"
+    head = (
+        f"Reference workload: F = {args.f_ms:g} ms, chunks {args.chunks}, 4 processes over "
+        f"gloo, balance [2, 2, 2, 2], trace_every {args.every}"
     )
-    print(f"untraced step: {plain * ms:.1f} ms (blocks: {_ms(record['blocks']['plain'])})")
-    print(f"traced step:   {traced * ms:.1f} ms (blocks: {_ms(record['blocks']['traced'])})")
-    ratios = [t / p for p, t in zip(record["blocks"]["plain"], record["blocks"]["traced"])]
-    print(
-        f"difference:    {(traced / plain - 1) * 100:+.2f} % of the step (medians); per round "
-        f"pair: median {(statistics.median(ratios) - 1) * 100:+.2f} %, from "
-        f"{(min(ratios) - 1) * 100:+.1f} % to {(max(ratios) - 1) * 100:+.1f} %"
-    )
-    for rank, spent in enumerate(record["end_step"]):
-        print(
-            f"rank {rank}, training loop's share of tracing per step: median "
-            f"{statistics.median(spent) * ms:.2f} ms, mean {statistics.mean(spent) * ms:.2f} ms"
-        )
-    writer = record["writer_cpu"]
-    images = sorted(writer)[-max(1, len(writer) // args.every) :]
-    print(
-        f"rank 0, writer thread CPU per step: median {statistics.median(writer) * ms:.2f} ms, "
-        f"mean {statistics.mean(writer) * ms:.2f} ms (steps with a timeline image: "
-        f"{statistics.mean(images) * ms:.0f} ms)"
-    )
+    lines = report(record, args)
+    print(head, *lines, sep="\n")
+    print(f"untraced blocks: {_ms(record['blocks']['plain'])} ms per step")
+    print(f"traced blocks:   {_ms(record['blocks']['traced'])} ms per step")
+    if args.markdown is not None:
+        body = [
+            *(f"- {line}" for line in provenance("benchmarks.trace_overhead", argv)),
+            f"- {head}",
+            f"- Load average before: {load_before}; after: {load()}",
+            "",
+            *lines,
+        ]
+        write_section(args.markdown, "trace_overhead", "\n".join(body), "Tracing a run")
+    print(f"(total {time.monotonic() - started:.0f} s)")
     return 0
 
 

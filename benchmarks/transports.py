@@ -2,7 +2,7 @@
 time of the reference workload over each transport.
 
 Run ``python -m benchmarks.transports``; it launches its own worker processes (loopback, gloo,
-TensorPipe), prints a table and writes it into ``docs/transports.md``.
+TensorPipe) and prints a table; ``--markdown docs/transports.md`` also writes it into that page.
 
 Bandwidth: rank 0 sends ``--messages`` tensors of one shape to rank 1, one direction, with no
 compute in between; rank 1 times from its first message to its last. ``raw`` is
@@ -25,17 +25,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .gpipe import replace_section
 from .gpu import placement, synchronize
 from .launch import launch_workers
 from .peers import fairscale_asyncpipe_step
+from .sections import provenance, write_section
 from .worker import _loss, timed_steps, write_record
 from .workload import SHAPES, build_model, make_batch, nominal_ideal_s
 
 __all__ = ["bandwidth_table", "main"]
-
-BEGIN, END = "<!-- transports:begin -->", "<!-- transports:end -->"
-DOC = Path(__file__).resolve().parent.parent / "docs" / "transports.md"
 
 
 # ----- worker side -----------------------------------------------------------------------------
@@ -255,27 +252,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--f-ms", type=float, default=5.0, help="forward sleep per layer (ms)")
     parser.add_argument("--chunks", type=int, default=8, help="micro-batches per step")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per transport")
-    parser.add_argument("--no-write", action="store_true", help="print only; leave docs alone")
+    parser.add_argument(
+        "--markdown", type=Path, default=None, help="page to write the tables in (its section)"
+    )
     parser.add_argument("--bandwidth-only", action="store_true", help="no step times")
     parser.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu")
     args = parser.parse_args(argv)
     if args.worker:
         return worker(args)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    started = time.monotonic()
     try:
-        records = launch_workers(
-            "benchmarks.transports", argv if argv is not None else sys.argv[1:], args.processes, 2
-        )
+        records = launch_workers("benchmarks.transports", argv, args.processes, 2)
     except RuntimeError as e:
         print(e, file=sys.stderr)
         return 1
     table = _table(records, args)
     print(table)
-    if not args.no_write:
-        section = (
-            f"{BEGIN}\n\nMeasured with `python -m benchmarks.transports` on "
-            f"{os.cpu_count()} CPU cores, torch {torch.__version__}.\n\n{table}\n\n{END}"
-        )
-        replace_section(DOC, section, BEGIN, END, "# Transport benchmarks\n")
+    if args.markdown is not None:
+        lines = provenance("benchmarks.transports", argv, time.monotonic() - started)
+        lines.append(f"Placement: {records[0]['placement']}")
+        body = "\n".join(f"- {line}" for line in lines) + "\n\n" + table
+        write_section(args.markdown, "transports", body, "Transport benchmarks")
     return 0
 
 

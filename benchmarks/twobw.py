@@ -6,7 +6,7 @@ per run, so its steady-state step tends to the no-bubble limit, the compute of o
 (a barrier would drain the 2BW pipeline) and divides; the table gives the slowest rank.
 
 Run:
-    python -m benchmarks.twobw --f-ms 3 --chunks 8 --steps 20
+    python -m benchmarks.twobw --f-ms 3 --chunks 8 --steps 20 --runs 3
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .launch import launch_workers
+from .sections import provenance, write_section
 from .workload import BUSY, build_model, make_batch
 
 __all__ = ["main"]
@@ -66,6 +68,36 @@ def worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rows(records: list[dict[str, Any]], schedules: list[str]) -> list[dict[str, float]]:
+    """Per schedule: the slowest rank's step and compute time."""
+    rows = []
+    for schedule in schedules:
+        rows.append(
+            {
+                "step_s": max(r[schedule]["step_s"] for r in records),
+                "busy_s": max(r[schedule]["busy_s"] for r in records),
+            }
+        )
+    return rows
+
+
+def table(rows: list[dict[str, float]], schedules: list[str], limit: float) -> str:
+    """The markdown table of one run: step and compute time per schedule, against the
+    no-bubble limit and against 1F1B."""
+    lines = [
+        "| schedule | step ms | compute ms | / limit | / compute | vs 1f1b |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    steps = dict(zip(schedules, (r["step_s"] for r in rows), strict=True))
+    for schedule, row in zip(schedules, rows, strict=True):
+        versus = row["step_s"] / steps["1f1b"] if "1f1b" in steps else float("nan")
+        lines.append(
+            f"| {schedule} | {row['step_s'] * 1e3:.1f} | {row['busy_s'] * 1e3:.1f} | "
+            f"{row['step_s'] / limit:.3f} | {row['step_s'] / row['busy_s']:.3f} | {versus:.3f} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -79,10 +111,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--schedules", default=",".join(SCHEDULES))
     parser.add_argument("--pg-timeout", type=float, default=120.0)
+    parser.add_argument("--runs", type=int, default=1, help="runs, each in new processes")
+    parser.add_argument("--markdown", type=Path, default=None, help="page to write the table in")
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     if args.worker:
         return worker(args)
-    argv = [
+    started = time.monotonic()
+    worker_argv = [
         f"--f-ms={args.f_ms}",
         f"--chunks={args.chunks}",
         f"--micro-batch={args.micro_batch}",
@@ -92,25 +128,47 @@ def main(argv: list[str] | None = None) -> int:
         f"--schedules={args.schedules}",
         f"--pg-timeout={args.pg_timeout}",
     ]
-    records = launch_workers("benchmarks.twobw", argv, args.ranks, args.ranks)
+    schedules = args.schedules.split(",")
     layers = 8 // args.ranks
     limit = args.chunks * 3 * args.f_ms / 1000.0 * layers
-    print(
-        f"reference workload: {args.ranks} ranks, {layers} layers each, F = {args.f_ms:g} ms, "
-        f"chunks {args.chunks}, {args.shape} shape; no-bubble limit {limit * 1e3:.1f} ms"
+    runs = []
+    for n in range(args.runs):
+        print(f"run {n + 1}/{args.runs}: {', '.join(schedules)}", file=sys.stderr)
+        records = launch_workers("benchmarks.twobw", worker_argv, args.ranks, args.ranks)
+        runs.append(_rows(records, schedules))
+    last = schedules[-1]
+    runs.sort(key=lambda rows: rows[-1]["step_s"])
+    median = runs[(len(runs) - 1) // 2]
+    head = (
+        f"Reference workload: {args.ranks} ranks, {layers} layers each, F = {args.f_ms:g} ms, "
+        f"chunks {args.chunks}, micro-batch {args.micro_batch}, {args.shape} shape, "
+        f"{args.warmup} warm-up + {args.steps} timed steps per run; no-bubble limit "
+        f"{limit * 1e3:.1f} ms"
     )
-    print(
-        f"{'schedule':<9} {'step ms':>8} {'compute ms':>11} {'/ limit':>8} {'/ compute':>10} "
-        f"{'vs 1f1b':>8}"
-    )
-    steps = {s: max(r[s]["step_s"] for r in records) for s in args.schedules.split(",")}
-    for schedule, step in steps.items():
-        busy = max(r[schedule]["busy_s"] for r in records)
-        versus = step / steps["1f1b"] if "1f1b" in steps else float("nan")
-        print(
-            f"{schedule:<9} {step * 1e3:8.1f} {busy * 1e3:11.1f} {step / limit:8.3f} "
-            f"{step / busy:10.3f} {versus:8.3f}"
+    notes = []
+    if len(runs) > 1:
+        spread = {
+            f"{s} / limit": [rows[i]["step_s"] / limit for rows in runs]
+            for i, s in enumerate(schedules)
+        }
+        if "1f1b" in schedules and len(schedules) > 1:
+            one = schedules.index("1f1b")
+            spread[f"{last} vs 1f1b"] = [rows[-1]["step_s"] / rows[one]["step_s"] for rows in runs]
+        notes.append(
+            f"{len(runs)} runs, each in new processes; the table is the run with the median "
+            f"{last} step. Every run: "
+            + "; ".join(
+                f"{name}: {', '.join(f'{v:.3f}' for v in sorted(values))}"
+                for name, values in spread.items()
+            )
         )
+    text = table(median, schedules, limit)
+    print(head, text, *notes, sep="\n")
+    if args.markdown is not None:
+        lines = provenance("benchmarks.twobw", argv, time.monotonic() - started)
+        body = [*(f"- {line}" for line in lines), f"- {head}", "", text, ""]
+        body += [f"- {note}" for note in notes]
+        write_section(args.markdown, "twobw", "\n".join(body), "PipeDream-2BW")
     return 0
 
 

@@ -12,9 +12,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.__main__ import Results, _section, parse_args  # noqa: E402
 from benchmarks.gpu import SHARED_GPU_PEERS, placement  # noqa: E402
-from benchmarks.suite import SuiteRow, twobw_table  # noqa: E402
+from benchmarks.suite import Results, _section, parse_args  # noqa: E402
 from benchmarks.suite_report import (  # noqa: E402
     REFERENCE_HEADER,
     SUMMARY_HEADER,
@@ -24,6 +23,7 @@ from benchmarks.suite_report import (  # noqa: E402
     summary_cells,
     text_table,
 )
+from benchmarks.suite_runs import SuiteRow, twobw_table  # noqa: E402
 
 
 def _rows() -> list[SuiteRow]:
@@ -97,8 +97,9 @@ def test_quick_options() -> None:
     assert full.stage_list == [2, 4] and full.chunk_list == [4, 8, 16]
     with pytest.raises(SystemExit):
         parse_args(["--only", "nothing"])
-    assert args.no_write and not full.no_write  # a partial run leaves the docs alone
-    assert not parse_args(["--quick", "--markdown", "x.md"]).no_write
+    assert args.markdown is None and args.plot is None  # without --markdown it only prints
+    page = parse_args(["--quick", "--device", "cpu", "--markdown", "x/page.md"])
+    assert page.plot == Path("x/_static/benchmark_suite_cpu.png")
 
 
 def test_twobw_table() -> None:
@@ -116,9 +117,7 @@ def test_section_names_the_device_and_carries_every_part(tmp_path: Path) -> None
     chart = tmp_path / "_static" / "chart.png"
     out = Results(meta=["Device: CPU"], rows=_rows(), notes=["fairscale: 0.4.13"])
     text = _section(args, out, chart)
-    assert text.startswith("<!-- begin: python -m benchmarks device=cpu")
-    assert text.rstrip().endswith("<!-- end: python -m benchmarks device=cpu -->")
-    assert "## Results on the CPU" in text and "(_static/chart.png)" in text
+    assert text.startswith("## Results on the CPU") and "(_static/chart.png)" in text
     assert "### Each peer against asyncpipe" in text and "- fairscale: 0.4.13" in text
     assert "GPT model" not in text and "(_static" not in _section(args, out, None)
 
@@ -126,11 +125,11 @@ def test_section_names_the_device_and_carries_every_part(tmp_path: Path) -> None
 @pytest.mark.slow
 def test_suite_runs_end_to_end_and_writes_its_section(tmp_path: Path) -> None:
     page = tmp_path / "suite.md"
-    command = [sys.executable, "-m", "benchmarks", "--quick", "--device", "cpu"]
+    command = [sys.executable, "-m", "benchmarks.suite", "--quick", "--device", "cpu"]
     command += ["--only", "bandwidth,gpt", "--messages", "20", "--markdown", str(page)]
     command += ["--plot", str(tmp_path / "chart.png")]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]
     text = page.read_text()
-    assert "device=cpu" in text and "Activation bandwidth" in text and "tokens/s" in text
-    assert "one process" in text
+    assert "<!-- begin: suite device=cpu" in text and "Activation bandwidth" in text
+    assert "tokens/s" in text and "one process" in text

@@ -1,0 +1,174 @@
+"""``python -m benchmarks``: every generated section of the docs belongs to a registered part and
+every part's sections are on its page; the sections' markers, the command line, and a quick
+run of every part into a copy of the docs."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+DOCS = REPO / "docs"
+sys.path.insert(0, str(REPO))
+
+from benchmarks.__main__ import commands, parse_args  # noqa: E402
+from benchmarks.parts import PARTS, by_name  # noqa: E402
+from benchmarks.sections import find_sections, markers, write_section  # noqa: E402
+
+PAGES = sorted([*DOCS.glob("*.md"), *DOCS.glob("*.rst"), REPO / "README.md"])
+
+
+def _name(page: Path) -> str:
+    return page.relative_to(DOCS).as_posix() if page.parent == DOCS else page.name
+
+
+def _sections() -> dict[tuple[str, str], str]:
+    """(page relative to docs/, key) -> body, for every generated section anywhere."""
+    return {
+        (_name(page), key): body
+        for page in PAGES
+        for key, body in find_sections(page.read_text()).items()
+    }
+
+
+def test_every_generated_section_belongs_to_a_registered_part() -> None:
+    owners = {(part.page, key): part for part in PARTS for key in part.keys}
+    strays = [f"{page}: {key}" for page, key in _sections() if (page, key) not in owners]
+    assert not strays, f"sections no part of python -m benchmarks writes: {strays}"
+
+
+def test_every_part_has_its_sections_on_its_page() -> None:
+    found = _sections()
+    missing = [f"{p.page}: {key}" for p in PARTS for key in p.keys if (p.page, key) not in found]
+    assert not missing, f"parts whose sections are missing from their pages: {missing}"
+    assert len({p.name for p in PARTS}) == len(PARTS)
+    for part in PARTS:
+        assert all(key.split()[0] == part.name for key in part.keys), part
+
+
+def test_every_section_records_date_machine_commit_and_command() -> None:
+    for (page, key), body in _sections().items():
+        if "Carried over from" in body:
+            continue  # figures of a run before its part existed, until the next run
+        for word in ("Date:", "Machine:", "asyncpipe: commit", "Command:"):
+            assert word in body, (page, key, word)
+
+
+def test_no_marker_of_the_old_forms_is_left() -> None:
+    for page in PAGES:
+        text = page.read_text()
+        assert not re.search(r"<!-- \w+:(begin|end) -->", text), page
+        assert "(generated; rerun to update)" not in text, page
+
+
+def test_the_benchmarks_page_lists_every_part() -> None:
+    text = (DOCS / "benchmarks.md").read_text()
+    rows = re.findall(r"^\| `(\w+)` \| (.*?) \|", text, re.MULTILINE)
+    assert [name for name, _ in rows] == [p.name for p in PARTS]
+    for (_, where), part in zip(rows, PARTS, strict=True):
+        assert f"({part.page})" in where or (part.page == "benchmarks.md" and "this page" in where)
+
+
+def test_sections_pair_up_or_say_what_is_wrong() -> None:
+    begin, end = markers("gpipe shape=small", "page.md")
+    assert find_sections(f"a\n{begin}\nbody\n{end}\nb") == {"gpipe shape=small": "\nbody\n"}
+    with pytest.raises(ValueError, match="never ends"):
+        find_sections(f"{begin}\nbody")
+    with pytest.raises(ValueError, match="without its begin"):
+        find_sections(f"body\n{end}")
+    with pytest.raises(ValueError, match="twice"):
+        find_sections(f"{begin}\n{end}\n{begin}\n{end}")
+    rst_begin, rst_end = markers("failures", "page.rst")
+    assert rst_begin.startswith(".. begin: failures") and rst_end == ".. end: failures"
+    assert find_sections(f"{rst_begin}\n\nx\n\n{rst_end}\n") == {"failures": "\n\nx\n\n"}
+
+
+def test_write_section_replaces_only_its_own_section(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    write_section(page, "twobw", "first", "Title")
+    write_section(page, "convergence", "other", "Title")
+    write_section(page, "twobw", "second", "Title")
+    text = page.read_text()
+    assert text.startswith("# Title\n")
+    assert find_sections(text) == {"twobw": "\n\nsecond\n\n", "convergence": "\n\nother\n\n"}
+    rst = tmp_path / "page.rst"
+    write_section(rst, "failures", "- a line", "Title")
+    assert rst.read_text().startswith("Title\n=====\n") and ".. end: failures" in rst.read_text()
+
+
+def test_selection_quick_mode_and_where_it_writes(tmp_path: Path) -> None:
+    full = parse_args(["--device", "cpu"])
+    assert [p.name for p in full.parts] == [p.name for p in PARTS] and full.write
+    some = parse_args(["--only", "failures,gpipe", "--skip", "gpipe", "--device", "cpu"])
+    assert [p.name for p in some.parts] == ["failures"]
+    assert not parse_args(["--quick", "--device", "cpu"]).write  # never over real figures
+    quick = parse_args(["--quick", "--docs", str(tmp_path), "--device", "cpu"])
+    assert quick.write
+    for bad in (["--only", "nothing"], ["--skip", ",".join(p.name for p in PARTS)]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+    with pytest.raises(ValueError, match="unknown parts"):
+        by_name(["gpipe", "nothing"])
+    (suite,) = by_name(["suite"])
+    (command,) = commands(suite, full)
+    assert command[1:4] == ["-m", "benchmarks.suite", "--device"]
+    assert command[-2:] == ["--markdown", "docs/benchmark_suite.md"]
+    assert suite.key_for("cpu") == ["suite device=cpu"]
+
+
+class _Parsed(Exception):
+    pass
+
+
+@pytest.mark.parametrize("part", PARTS, ids=lambda p: p.name)
+def test_every_command_of_every_part_parses(part, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The arguments the runner passes (full and quick) are options the part's command has."""
+    runs = [
+        command
+        for quick in (False, True)
+        for command in commands(part, parse_args(["--device", "cpu", "--quick"][: 2 + quick]))
+    ]
+    original = argparse.ArgumentParser.parse_args
+
+    def parse_and_stop(self: argparse.ArgumentParser, *args: object, **kwargs: object) -> None:
+        original(self, *args, **kwargs)  # type: ignore[call-overload]
+        raise _Parsed
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_and_stop)
+    module = importlib.import_module(part.module)
+    for command in runs:
+        assert command[1:3] == ["-m", part.module]
+        with pytest.raises(_Parsed):
+            module.main(command[3:])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_quick_run_of_every_part_rewrites_every_section(tmp_path: Path) -> None:
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for page in {p.page for p in PARTS}:
+        shutil.copy(DOCS / page, docs / page)
+    before = {page: find_sections((docs / page).read_text()) for page in {p.page for p in PARTS}}
+    command = [sys.executable, "-m", "benchmarks", "--quick", "--docs", str(docs)]
+    done = subprocess.run(
+        [*command, "--device", "cpu"], cwd=REPO, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    for n, part in enumerate(PARTS, 1):
+        assert f"[{n}/{len(PARTS)}] {part.name}: ok" in done.stderr, done.stderr[-3000:]
+        after = find_sections((docs / part.page).read_text())
+        for key in part.key_for("cpu"):
+            assert after[key] != before[part.page][key], (part.name, key)
+            assert f"python -m {part.module} " in after[key] and "Date:" in after[key]
+    assert "not rewritten by a run on this device (cpu): suite device=cuda" in done.stderr
+    for picture in ("trace_train_lm.png", "benchmark_suite_cpu.png"):
+        assert (docs / "_static" / picture).stat().st_size > 0
+    assert list((docs / "_static").glob("schedule_benchmarks_*.svg"))
