@@ -482,15 +482,9 @@ class AsyncPipe(ManualBackward, nn.Module):
             >>> loss = pipe.step(x, y, torch.nn.functional.cross_entropy)  # doctest: +SKIP
             >>> optimizer.step()                                           # doctest: +SKIP
         """
-        if not torch.is_grad_enabled():
-            raise RuntimeError(
-                "step() computes gradients, but gradients are disabled here; call it outside "
-                "torch.no_grad(), or use pipe(input) for inference"
-            )
-        if not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable (got {type(loss_fn).__name__})")
-        if self._stream is not None:
+        if self._stream is not None:  # its checks run where a failure reaches every rank
             return self._two_bw_step(input, target, loss_fn, optimizer)
+        _check_step(loss_fn)
         before = self._shared.snapshot()
         work = self._run(self._prepare(input, target, loss_fn, train=True))
         if self._averager is not None:
@@ -512,17 +506,15 @@ class AsyncPipe(ManualBackward, nn.Module):
         self, input: object, target: object, loss_fn: LossFn, optimizer: object
     ) -> float:
         assert self._stream is not None
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"schedule '2bw' applies each mini-batch's update itself, one step late: pass "
-                f"this rank's optimizer, pipe.step(x, y, loss_fn, optimizer=optimizer) (got "
-                f"{type(optimizer).__name__})"
-            )
         self._guard()
+        make = self._prepare(input, target, loss_fn, train=True)
+
+        def prepare(microbatches: int | None) -> Work:
+            _check_step(loss_fn)
+            return make(microbatches)
+
         try:
-            work, loss, report = self._stream.step(
-                self._prepare(input, target, loss_fn, train=True), optimizer
-            )
+            work, loss, report = self._stream.step(prepare, optimizer)
         except BaseException as e:
             self._broken = (
                 e
@@ -553,7 +545,7 @@ class AsyncPipe(ManualBackward, nn.Module):
             return float("nan")
         self._guard()
         try:
-            return self._stream.drain()
+            loss, report = self._stream.drain()
         except BaseException as e:
             self._broken = (
                 e
@@ -561,6 +553,8 @@ class AsyncPipe(ManualBackward, nn.Module):
                 else StageFailure(str(e), rank=self.stage, stage=-1, microbatch=-1, action="")
             )
             raise
+        self.last_step = report
+        return loss
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip the gradients of the whole pipeline by their norm over every stage.
@@ -585,3 +579,14 @@ class AsyncPipe(ManualBackward, nn.Module):
             f"stage={self.stage}/{self.num_stages}, balance={self.balance}, chunks={self.chunks}, "
             f"checkpoint={self.checkpoint!r}, schedule={self.schedule!r}"
         )
+
+
+def _check_step(loss_fn: object) -> None:
+    """What step() needs on every rank, whatever the schedule."""
+    if not torch.is_grad_enabled():
+        raise RuntimeError(
+            "step() computes gradients, but gradients are disabled here; call it outside "
+            "torch.no_grad(), or use pipe(input) for inference"
+        )
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable (got {type(loss_fn).__name__})")

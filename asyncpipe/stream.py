@@ -26,7 +26,7 @@ from torch import nn
 from torch.autograd.profiler import record_function
 
 from .failure import Failed, StepReport
-from .runtime import _OK, _PEER_ERRORS, STATUS_CHANNEL, Runtime
+from .runtime import _NEWS_SECONDS, _OK, _PEER_ERRORS, STATUS_CHANNEL, Runtime
 from .schedule import Action, Kind, lower, validate
 from .schedule.two_bw import two_bw, windows
 from .transport import Message, PendingRecv, TransportTimeout
@@ -71,25 +71,37 @@ class Stream:
         return self.previous is not None
 
     def step(
-        self, prepare: Callable[[int | None], Work], optimizer: torch.optim.Optimizer
+        self, prepare: Callable[[int | None], Work], optimizer: object
     ) -> tuple[Work, float, StepReport]:
         """Run the next window: the forwards of a new mini-batch. Returns its work, the mean
-        loss of the previous mini-batch (NaN if there was none) and the timing of the window."""
-        work = prepare(self.microbatches)
-        if work.microbatches != self.microbatches:
-            raise ValueError(
-                f"schedule '2bw' needs every mini-batch to split into chunks="
-                f"{self.microbatches} micro-batches (this one split into {work.microbatches}); "
-                f"pass batches of at least {self.microbatches} rows, the same on every step"
-            )
+        loss of the previous mini-batch (NaN if there was none) and the timing of the window,
+        from the call to the end of the update and the news."""
+        start = time.perf_counter()
+        steady = self.previous is not None
+        window = self.windows["steady" if steady else "first"]
+        current = 1 if steady else 0
+        with self._before(window, current):  # a rejection reaches every rank
+            work = prepare(self.microbatches)
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                raise TypeError(
+                    f"schedule '2bw' applies each mini-batch's update itself, one step late: "
+                    f"pass this rank's optimizer, pipe.step(x, y, loss_fn, optimizer=optimizer) "
+                    f"(got {type(optimizer).__name__})"
+                )
+            if work.microbatches != self.microbatches:
+                raise ValueError(
+                    f"schedule '2bw' needs every mini-batch to split into chunks="
+                    f"{self.microbatches} micro-batches (this one split into "
+                    f"{work.microbatches}); pass batches of at least {self.microbatches} rows, "
+                    f"the same on every step"
+                )
+            posted = self._post_news()
         self.optimizer = optimizer
-        window = self.windows["steady" if self.previous is not None else "first"]
-        current = 1 if self.previous is not None else 0
-        posted = self._post_news()
-        report = self._run(window, {current: work, current - 1: self.previous}, current)
+        events, busy, peak = self._run(
+            window, {current: work, current - 1: self.previous}, current, start
+        )
         owed = {(a.stage, a.microbatch) for a in window if a.kind is Kind.FORWARD}
         owed -= {(a.stage, a.microbatch) for a in window if a.kind is Kind.BACKWARD}
-        self.versions.update(optimizer, keep=bool(owed))
         status = [work.loss_sum, _OK, float(self.runtime.stop_requested)]
         self._send_news(status)
         loss = math.nan
@@ -99,22 +111,28 @@ class Stream:
         self._post(self.windows["steady"], {0: work}, only=0)
         self._take_crossing(work)
         self.runtime.transport.flush(self.runtime.timeout)
+        # Last, when the peers have all they need of this window: a failure here reaches
+        # them in their next window, not as a send that nobody takes.
+        self._update(optimizer, keep=bool(owed))
         self.previous = work
         self.batches += 1
-        return work, loss, report
+        seconds = time.perf_counter() - start
+        return work, loss, StepReport(seconds, busy, events, start, peak)
 
-    def drain(self) -> float:
+    def drain(self) -> tuple[float, StepReport]:
         """Run the backwards still owed and apply the last mini-batch's update: the pipeline is
-        then empty. Returns the mean loss of that mini-batch (NaN if nothing was in flight)."""
+        then empty. Returns the mean loss of that mini-batch (NaN if nothing was in flight) and
+        the timing of the drain."""
+        start = time.perf_counter()
         if self.previous is None or self.optimizer is None:
-            return math.nan
-        self._run(self.windows["drain"], {1: self.previous}, 2)
-        self.versions.update(self.optimizer, keep=False)
+            return math.nan, StepReport(0.0, 0.0, [], start)
+        events, busy, peak = self._run(self.windows["drain"], {1: self.previous}, 2, start)
+        self._update(self.optimizer, keep=False)
         loss = self._read_news()
         self.runtime.transport.flush(self.runtime.timeout)
         self.previous = None
         self.batches = 0
-        return loss
+        return loss, StepReport(time.perf_counter() - start, busy, events, start, peak)
 
     # ----- news of each window, read one window late --------------------------------------
 
@@ -186,34 +204,68 @@ class Stream:
 
     # ----- one window ----------------------------------------------------------------------
 
+    def _global(self, action: Action, current: int) -> Action:
+        """``action`` of a window numbered in the stream since the start or the last drain:
+        micro-batch ``i`` of mini-batch ``t`` is ``t * M + i`` (as in traces and errors)."""
+        offset = (self.batches - current) * self.microbatches
+        return Action(action.stage, action.kind, action.microbatch + offset, action.peer)
+
+    @contextlib.contextmanager
+    def _before(self, window: list[Action], current: int) -> Iterator[None]:
+        """Run what comes before the first action of ``window`` (checking the arguments,
+        building the window): a failure there is sent to the peers, so that every rank raises
+        it naming this stage and the action it did not begin."""
+        try:
+            yield
+        except Exception as e:
+            runtime, m = self.runtime, self.microbatches
+            stage = min(runtime.segments)
+            computes = [a for a in window if a.kind.is_compute]
+            if computes:
+                first = self._global(computes[0], current)
+                where = (
+                    f"before its first action {first} (micro-batch {first.microbatch % m} of "
+                    f"mini-batch {first.microbatch // m})"
+                )
+            else:
+                first, where = None, "before its drain"
+            argument = isinstance(e, (TypeError, ValueError))
+            failure = Failed(
+                f"stage {stage} {'rejected its arguments' if argument else 'failed'} on rank "
+                f"{runtime.rank} {where}: {type(e).__name__}: {e}",
+                stage,
+                first.microbatch % m if first is not None else -1,
+                str(first) if first is not None else "",
+                runtime.rank,
+            )
+            raise self._tell(failure, e, raise_original=argument) from e
+
     def _run(
-        self, window: list[Action], batches: dict[int, Work | None], current: int
-    ) -> StepReport:
+        self, window: list[Action], batches: dict[int, Work | None], current: int, start: float
+    ) -> tuple[list[tuple[str, float, float]], float, int]:
         """Run ``window``; its micro-batch ``g`` is micro-batch ``g % M`` of
         ``batches[g // M]``. The previous mini-batch's gradient is taken after its last action
-        (at once if it has none here)."""
+        (at once if it has none here). Returns the events (times since ``start``), the seconds
+        of compute and the most micro-batches in flight."""
         m = self.microbatches
         runtime = self.runtime
-        local = [(a, Action(a.stage, a.kind, a.microbatch % m, a.peer)) for a in window]
         stale = current - 1
-        older = [n for n, (a, _) in enumerate(local) if a.microbatch // m == stale]
-        take_at = older[-1] if older else -1
-        if self.previous is not None and take_at < 0:
-            self.versions.take_gradient()
-        self._post(window, batches)
-        start = time.perf_counter()
+        with self._before(window, current):
+            local = [(a, Action(a.stage, a.kind, a.microbatch % m, a.peer)) for a in window]
+            older = [n for n, (a, _) in enumerate(local) if a.microbatch // m == stale]
+            take_at = older[-1] if older else -1
+            if self.previous is not None and take_at < 0:
+                self.versions.take_gradient()
+            self._post(window, batches)
         events: list[tuple[str, float, float]] = []
         busy, peak = 0.0, 0
-        offset = (self.batches - current) * m
         action: Action | None = None
         mine: Action | None = None
         try:
             for index, (action, mine) in enumerate(local):
                 work = batches[action.microbatch // m]
                 assert work is not None
-                text = str(
-                    Action(action.stage, action.kind, action.microbatch + offset, action.peer)
-                )
+                text = str(self._global(action, current))
                 began = time.perf_counter()
                 with record_function(text), self._versioned(action, stale):
                     runtime.handlers[action.kind](work, mine)
@@ -225,25 +277,47 @@ class Stream:
                 if index == take_at:
                     self.versions.take_gradient()
         except Exception as e:
-            raise self._failed(e, action, mine) from e
-        return StepReport(time.perf_counter() - start, busy, events, start, peak)
+            raise self._failed(e, action, mine, current) from e
+        return events, busy, peak
+
+    def _update(self, optimizer: torch.optim.Optimizer, keep: bool) -> None:
+        """Apply the previous mini-batch's gradient; a failure there reaches every rank."""
+        try:
+            self.versions.update(optimizer, keep=keep)
+        except Exception as e:
+            runtime = self.runtime
+            stage = min(runtime.segments)
+            failure = Failed(
+                f"stage {stage} failed on rank {runtime.rank} in the update at the end of its "
+                f"window (optimizer.step() with the gradient of the previous mini-batch): "
+                f"{type(e).__name__}: {e}",
+                stage,
+                -1,
+                "",
+                runtime.rank,
+            )
+            raise self._tell(failure, e) from e
 
     def _failed(
-        self, error: Exception, action: Action | None, mine: Action | None
+        self, error: Exception, action: Action | None, mine: Action | None, current: int
     ) -> BaseException:
         """Tell the peers that read from this rank, and the error to raise here."""
         runtime = self.runtime
         if isinstance(error, Failed):
             failure = error
+            if action is not None and mine is not None:  # where it waited, as in traces
+                here = self._global(action, current)
+                failure.text = failure.text.replace(f"waited in {mine})", f"waited in {here})")
         elif mine is not None and mine.kind.is_recv and isinstance(error, _PEER_ERRORS):
             failure = runtime._silent_peer(mine, error)
         elif action is not None and mine is not None:
+            text = self._global(action, current)
             failure = Failed(
-                f"stage {mine.stage} failed in {action} (micro-batch {mine.microbatch}) on rank "
-                f"{runtime.rank}: {type(error).__name__}: {error}",
+                f"stage {mine.stage} failed in {text} (micro-batch {mine.microbatch} of its "
+                f"mini-batch) on rank {runtime.rank}: {type(error).__name__}: {error}",
                 mine.stage,
                 mine.microbatch,
-                str(mine),
+                str(text),
                 runtime.rank,
             )
         else:
@@ -254,7 +328,20 @@ class Stream:
                 "",
                 runtime.rank,
             )
+        return self._tell(failure, error)
+
+    def _tell(
+        self, failure: Failed, error: BaseException, raise_original: bool = False
+    ) -> BaseException:
+        """Send ``failure`` to the peers that read from this rank (they relay it on), give
+        the notices a moment to leave, and return the error to raise here: the caller's own
+        bad argument as it is (``raise_original``), else a StageFailure."""
+        runtime = self.runtime
         runtime._notify(failure)
+        with contextlib.suppress(Exception):  # a peer that is gone cannot be told
+            runtime.transport.flush(min(runtime.timeout, _NEWS_SECONDS))
+        if raise_original:
+            return error
         return runtime._raise(failure, error)
 
     @contextlib.contextmanager

@@ -213,13 +213,23 @@ def test_a_checkpoint_taken_after_flush_resumes_exactly() -> None:
         assert first[1:] == second[1:]
 
 
-def test_step_needs_the_optimizer_and_flush_drains_only_once() -> None:
+def test_step_needs_the_optimizer() -> None:
+    data = batches(1)
+
+    def fn(rank: int, transport: Transport) -> None:
+        pipe = AsyncPipe(model(), [4, 4], chunks=2, schedule="2bw", transport=transport)
+        pipe.step(*data[0], mse)
+
+    for status, error in run_threads(fn, 2):
+        assert status == "error" and isinstance(error, TypeError), error
+        assert "optimizer=optimizer" in str(error)
+
+
+def test_flush_drains_only_once() -> None:
     plain, data = model(), batches(2)
 
     def fn(rank: int, transport: Transport) -> list[float]:
         pipe = AsyncPipe(plain, [4, 4], chunks=2, schedule="2bw", transport=transport)
-        with pytest.raises(TypeError, match="optimizer=optimizer"):
-            pipe.step(*data[0], mse)
         opt = adam(pipe.parameters())
         got = [pipe.step(*data[0], mse, optimizer=opt), pipe.flush(), pipe.flush()]
         with pytest.raises(RuntimeError, match="inference only"):
@@ -338,3 +348,74 @@ def test_memory_is_two_weight_versions_and_1f1b_activations() -> None:
         assert peak == 4 - rank  # as 1F1B: at most stages - rank micro-batches in flight
         assert versions == (1 if rank == 3 else 2)  # the last stage never needs the stash
         assert stashed == (0 if rank == 3 else params)
+
+
+# ----- a failure before the first action reaches every rank --------------------------------
+
+
+def _rejecting_worker(rank: int, world: int, culprit: int, how: str, at: int) -> tuple:
+    """Three 2BW steps in which rank ``culprit`` fails at step ``at`` before its first action
+    (``how``: it passes no optimizer, an input or a target of another batch size) or in the
+    update at its end; returns what this rank raised."""
+    torch.set_num_threads(1)
+    pipe = AsyncPipe(model(), [8 // world] * world, chunks=4, schedule="2bw", timeout=30)
+    opt = adam(pipe.parameters())
+
+    def fail(*_: object) -> None:
+        if steps == at:
+            raise ValueError("injected optimizer failure")
+
+    if rank == culprit and how == "update":
+        opt.register_step_pre_hook(fail)
+    steps = 0
+    try:
+        for steps, (x, y) in enumerate(batches(3)):
+            optimizer: object = opt
+            if rank == culprit and steps == at:
+                if how == "optimizer":
+                    optimizer = None
+                elif how == "input":
+                    x = x[:2]
+                elif how == "target":
+                    y = y[:2]
+            pipe.step(x, y, mse, optimizer=optimizer)
+        pipe.flush()
+    except Exception as e:
+        fields = [getattr(e, name, None) for name in ("stage", "microbatch", "action")]
+        return (type(e).__name__, str(e), steps, *fields)
+    return ("no error", "", steps, None, None, None)
+
+
+REJECTIONS = {
+    # (world, culprit, how, step): (the culprit's own error, words every other rank's has,
+    # the action it names)
+    (2, 1, "optimizer", 1): ("TypeError", "stage 1 rejected its arguments", "1F4"),
+    (4, 0, "input", 2): ("ValueError", "stage 0 rejected its arguments", "0F8"),
+    (4, 3, "target", 1): ("ValueError", "stage 3 rejected its arguments", "3F4"),
+    (4, 2, "update", 1): ("StageFailure", "stage 2 failed on rank 2 in the update", ""),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(REJECTIONS), ids=lambda c: f"{c[0]}ranks-{c[2]}")
+def test_a_failure_before_the_first_action_reaches_every_rank(
+    case: tuple[int, int, str, int],
+) -> None:
+    from tests.spawn import run_ranks
+
+    world, culprit, how, at = case
+    own, words, action = REJECTIONS[case]
+    results = run_ranks(_rejecting_worker, world, culprit, how, at, timeout=180)
+    for rank, (kind, text, step, stage, microbatch, named) in enumerate(results):
+        if rank == culprit:
+            assert kind == own and step == at, (rank, kind, text)
+            continue
+        # a rejection stops the window it was to run; an update fails after its window, so a
+        # peer may learn of it in the next one
+        assert step == at or (how == "update" and step == at + 1), (rank, step, text)
+        assert kind == "StageFailure", (rank, kind, text)
+        assert words in text and "timed out" not in text, (rank, text)
+        assert stage == culprit and named == action, (rank, stage, named, text)
+        if action:
+            assert f"before its first action {action} (micro-batch 0 of mini-batch {at})" in text
+            assert microbatch == 0, (rank, microbatch)
