@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -264,3 +265,14 @@ def check_options(
         )
     if problems:
         raise ValueError("; ".join(problems))
+
+
+def check_step(loss_fn: object) -> None:
+    """What ``step()`` needs on every rank, whatever the schedule."""
+    if not torch.is_grad_enabled():
+        raise RuntimeError(
+            "step() computes gradients, but gradients are disabled here; call it outside "
+            "torch.no_grad(), or use pipe(input) for inference"
+        )
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable (got {type(loss_fn).__name__})")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -11,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .arguments import check_arguments, check_options, plan_factory
+from .arguments import check_arguments, check_options, check_step, plan_factory
 from .balance.auto import auto_balance
 from .batchnorm import DeferredBatchNorm, commit_all
 from .failure import MismatchedBatch, StageFailure, StepReport
@@ -260,7 +261,7 @@ class AsyncPipe(ManualBackward, nn.Module):
             )
         self._stream: Stream | None = None
         if schedule == "2bw":
-            check_two_bw_options(self, shared_weights, trace)
+            check_two_bw_options(self, shared_weights)
             self._stream = Stream(self._runtime, list(self.parameters()), len(segments), chunks)
         self._last_segment = len(segments) - 1
         self._first_rank = segments[0].stage
@@ -353,12 +354,19 @@ class AsyncPipe(ManualBackward, nn.Module):
             self._recorder.add(report)
         return work
 
-    def _traced(self, work: Work, loss: float | None) -> None:
-        """Hand the finished step to the recorder (if tracing)."""
+    def _traced(self, work: Work | None, loss: float | None, window: str | None = None) -> None:
+        """Hand the finished step to the recorder (if tracing); ``window``: the 2BW window it
+        ran (its work is the new mini-batch, none for the drain; its loss may be NaN)."""
         if self._recorder is not None:
-            samples = sum(int(x[0].shape[0]) for x in work.inputs or () if x and x[0].dim())
-            m, train = work.microbatches, work.train
-            self._recorder.end_step(loss=loss, samples=samples, microbatches=m, train=train)
+            inputs = work.inputs if work is not None else None
+            samples = sum(int(x[0].shape[0]) for x in inputs or () if x and x[0].dim())
+            m = work.microbatches if work is not None else self.chunks
+            train = work.train if work is not None else True
+            if loss is not None and math.isnan(loss):
+                loss = None
+            self._recorder.end_step(
+                loss=loss, samples=samples, microbatches=m, train=train, window=window
+            )
 
     @property
     def trace_directory(self) -> Path | None:
@@ -484,7 +492,7 @@ class AsyncPipe(ManualBackward, nn.Module):
         """
         if self._stream is not None:  # its checks run where a failure reaches every rank
             return self._two_bw_step(input, target, loss_fn, optimizer)
-        _check_step(loss_fn)
+        check_step(loss_fn)
         before = self._shared.snapshot()
         work = self._run(self._prepare(input, target, loss_fn, train=True))
         if self._averager is not None:
@@ -510,11 +518,24 @@ class AsyncPipe(ManualBackward, nn.Module):
         make = self._prepare(input, target, loss_fn, train=True)
 
         def prepare(microbatches: int | None) -> Work:
-            _check_step(loss_fn)
+            check_step(loss_fn)
             return make(microbatches)
 
-        try:
+        window = "2bw" if self._stream.in_flight else "2bw-first"
+        with self._breaking():
+            if self._recorder is not None:
+                self._recorder.begin()
             work, loss, report = self._stream.step(prepare, optimizer)
+        if self.deferred_batch_norm:
+            commit_all(self.layers)
+        self._windowed(report, work, loss, window)
+        return loss
+
+    @contextlib.contextmanager
+    def _breaking(self) -> Iterator[None]:
+        """Run a 2BW window: any error leaves the pipeline broken (ranks may hold messages)."""
+        try:
+            yield
         except BaseException as e:
             self._broken = (
                 e
@@ -522,10 +543,13 @@ class AsyncPipe(ManualBackward, nn.Module):
                 else StageFailure(str(e), rank=self.stage, stage=-1, microbatch=-1, action="")
             )
             raise
-        if self.deferred_batch_norm:
-            commit_all(self.layers)
+
+    def _windowed(self, report: StepReport, work: Work | None, loss: float, window: str) -> None:
+        """Keep the report of a 2BW window (or drain) and hand it to the recorder."""
         self.last_step = report
-        return loss
+        if self._recorder is not None:
+            self._recorder.add(report)
+            self._traced(work, loss, window)
 
     def flush(self) -> float:
         """Drain the pipeline: with ``schedule="2bw"``, run the backwards the last mini-batch
@@ -544,16 +568,9 @@ class AsyncPipe(ManualBackward, nn.Module):
         if self._stream is None or not self._stream.in_flight:
             return float("nan")
         self._guard()
-        try:
+        with self._breaking():
             loss, report = self._stream.drain()
-        except BaseException as e:
-            self._broken = (
-                e
-                if isinstance(e, StageFailure)
-                else StageFailure(str(e), rank=self.stage, stage=-1, microbatch=-1, action="")
-            )
-            raise
-        self.last_step = report
+        self._windowed(report, None, loss, "2bw-drain")
         return loss
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
@@ -579,14 +596,3 @@ class AsyncPipe(ManualBackward, nn.Module):
             f"stage={self.stage}/{self.num_stages}, balance={self.balance}, chunks={self.chunks}, "
             f"checkpoint={self.checkpoint!r}, schedule={self.schedule!r}"
         )
-
-
-def _check_step(loss_fn: object) -> None:
-    """What step() needs on every rank, whatever the schedule."""
-    if not torch.is_grad_enabled():
-        raise RuntimeError(
-            "step() computes gradients, but gradients are disabled here; call it outside "
-            "torch.no_grad(), or use pipe(input) for inference"
-        )
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable (got {type(loss_fn).__name__})")

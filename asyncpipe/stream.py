@@ -382,7 +382,7 @@ def _crossing(steady: list[Action], first: list[list[Action]], microbatches: int
     return out
 
 
-def check_two_bw_options(pipe: Any, shared_weights: object, trace: object) -> None:
+def check_two_bw_options(pipe: Any, shared_weights: object) -> None:
     """Every option that ``schedule="2bw"`` cannot run with, at once, as one ValueError."""
     problems = []
     ranks = pipe.num_stages
@@ -399,7 +399,5 @@ def check_two_bw_options(pipe: Any, shared_weights: object, trace: object) -> No
         problems.append(
             "schedule '2bw' has no float16 loss scaling; pass autocast=torch.bfloat16 or None"
         )
-    if trace is not None:
-        problems.append("schedule '2bw' is not traced yet; pass trace=None")
     if problems:
         raise ValueError("; ".join(problems))
