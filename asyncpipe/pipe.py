@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from .arguments import check_arguments, check_options, check_step, plan_factory
 from .balance.auto import auto_balance
 from .batchnorm import DeferredBatchNorm, commit_all
+from .delayed import DelayedUpdates
 from .failure import MismatchedBatch, StageFailure, StepReport
 from .lazy import LazyModule
 from .manual import ManualBackward
@@ -36,7 +37,7 @@ from .work import LossFn, Work
 __all__: list[str] = []
 
 
-class AsyncPipe(ManualBackward, nn.Module):
+class AsyncPipe(DelayedUpdates, ManualBackward, nn.Module):
     """One rank's part of a model split into pipeline stages that run in separate processes.
 
     Every process of the pipeline builds ``AsyncPipe`` with the same arguments; each keeps only
@@ -177,6 +178,9 @@ class AsyncPipe(ManualBackward, nn.Module):
         self.scaler = LossScaler(float(loss_scale)) if autocast is torch.float16 else None
         self.overflow = False
         """Whether the last step overflowed in float16 (its gradients were dropped everywhere)."""
+        self.grad_norm = float("nan")
+        """The norm over every stage of the gradient that the last ``step(..., max_norm=...)``
+        (or ``flush()`` after it) clipped, before clipping; NaN when it clipped none."""
         self.stage = transport.rank
         self.num_stages = transport.world_size
         self.virtual_stages = virtual_stages
@@ -463,6 +467,7 @@ class AsyncPipe(ManualBackward, nn.Module):
         target: object,
         loss_fn: LossFn,
         optimizer: torch.optim.Optimizer | None = None,
+        max_norm: float | None = None,
     ) -> float:
         """Forward and backward of one mini-batch through the whole pipeline.
 
@@ -479,6 +484,11 @@ class AsyncPipe(ManualBackward, nn.Module):
         previous mini-batch's gradient at its end, and returns that mini-batch's loss (NaN
         on the first step); :meth:`flush` drains the last one.
 
+        With ``max_norm`` as well, the gradient is clipped just before ``optimizer.step()``
+        to that 2-norm over every stage, as ``torch.nn.utils.clip_grad_norm_`` on the plain
+        model (its norm before clipping is then :attr:`grad_norm`). With 2BW this clips the
+        gradient that the update applies, the previous mini-batch's.
+
         Returns:
             the mean micro-batch loss, on every rank (of the previous mini-batch with 2BW).
 
@@ -491,8 +501,8 @@ class AsyncPipe(ManualBackward, nn.Module):
             >>> optimizer.step()                                           # doctest: +SKIP
         """
         if self._stream is not None:  # its checks run where a failure reaches every rank
-            return self._two_bw_step(input, target, loss_fn, optimizer)
-        check_step(loss_fn)
+            return self._two_bw_step(input, target, loss_fn, optimizer, max_norm)
+        check_step(loss_fn, optimizer, max_norm)
         before = self._shared.snapshot()
         work = self._run(self._prepare(input, target, loss_fn, train=True))
         if self._averager is not None:
@@ -506,71 +516,10 @@ class AsyncPipe(ManualBackward, nn.Module):
         loss = work.loss_sum / work.microbatches
         self._traced(work, loss)
         if optimizer is not None:
+            if max_norm is not None:
+                self.grad_norm = float(self.clip_grad_norm_(max_norm))
             optimizer.step()
             optimizer.zero_grad()
-        return loss
-
-    def _two_bw_step(
-        self, input: object, target: object, loss_fn: LossFn, optimizer: object
-    ) -> float:
-        assert self._stream is not None
-        self._guard()
-        make = self._prepare(input, target, loss_fn, train=True)
-
-        def prepare(microbatches: int | None) -> Work:
-            check_step(loss_fn)
-            return make(microbatches)
-
-        window = "2bw" if self._stream.in_flight else "2bw-first"
-        with self._breaking():
-            if self._recorder is not None:
-                self._recorder.begin()
-            work, loss, report = self._stream.step(prepare, optimizer)
-        if self.deferred_batch_norm:
-            commit_all(self.layers)
-        self._windowed(report, work, loss, window)
-        return loss
-
-    @contextlib.contextmanager
-    def _breaking(self) -> Iterator[None]:
-        """Run a 2BW window: any error leaves the pipeline broken (ranks may hold messages)."""
-        try:
-            yield
-        except BaseException as e:
-            self._broken = (
-                e
-                if isinstance(e, StageFailure)
-                else StageFailure(str(e), rank=self.stage, stage=-1, microbatch=-1, action="")
-            )
-            raise
-
-    def _windowed(self, report: StepReport, work: Work | None, loss: float, window: str) -> None:
-        """Keep the report of a 2BW window (or drain) and hand it to the recorder."""
-        self.last_step = report
-        if self._recorder is not None:
-            self._recorder.add(report)
-            self._traced(work, loss, window)
-
-    def flush(self) -> float:
-        """Drain the pipeline: with ``schedule="2bw"``, run the backwards the last mini-batch
-        still owes and apply its update, so the parameters hold every mini-batch's gradient and
-        nothing is in flight (call it on every rank at the end of training and before saving
-        a checkpoint). Other schedules never leave anything in flight.
-
-        Returns:
-            the mean loss of the mini-batch it drained, on every rank (NaN if none).
-
-        Example:
-            >>> for x, y in batches:                                     # doctest: +SKIP
-            ...     pipe.step(x, y, loss_fn, optimizer=optimizer)
-            >>> last_loss = pipe.flush()                                 # doctest: +SKIP
-        """
-        if self._stream is None or not self._stream.in_flight:
-            return float("nan")
-        self._guard()
-        with self._breaking():
-            loss, report = self._stream.drain()
-        self._windowed(report, None, loss, "2bw-drain")
         return loss
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
@@ -588,6 +537,13 @@ class AsyncPipe(ManualBackward, nn.Module):
             >>> norm = pipe.clip_grad_norm_(1.0)               # doctest: +SKIP
             >>> optimizer.step()                               # doctest: +SKIP
         """
+        if self._stream is not None:
+            raise RuntimeError(
+                "clip_grad_norm_ scales .grad, which under schedule '2bw' holds the running "
+                "gradient of the mini-batch in flight, not the one the next update applies; "
+                "pass max_norm to step() instead, which clips that gradient by its norm over "
+                "every stage: pipe.step(x, y, loss_fn, optimizer=optimizer, max_norm=1.0)"
+            )
         grads = [p.grad.detach() for p in self.parameters() if p.grad is not None]
         return clip_norm(grads, self._runtime.exchange, max_norm, norm_type)
 

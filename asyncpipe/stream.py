@@ -26,7 +26,8 @@ from torch import nn
 from torch.autograd.profiler import record_function
 
 from .failure import Failed, StepReport
-from .runtime import _NEWS_SECONDS, _OK, _PEER_ERRORS, STATUS_CHANNEL, Runtime
+from .precision import SpreadNorm
+from .runtime import _NEWS_SECONDS, _OK, _PEER_ERRORS, NORM_CHANNEL, STATUS_CHANNEL, Runtime
 from .schedule import Action, Kind, lower, validate
 from .schedule.two_bw import two_bw, windows
 from .transport import Message, PendingRecv, TransportTimeout
@@ -62,6 +63,12 @@ class Stream:
         self.batches = 0
         """Mini-batches begun since the start or the last drain (numbers trace events)."""
         self.optimizer: torch.optim.Optimizer | None = None
+        self.max_norm: float | None = None
+        """Clip each applied gradient to this 2-norm over every stage (the last step's)."""
+        self.grad_norm = math.nan
+        """The norm over every stage of the gradient the last update applied, before clipping
+        (NaN when the update did not clip, or there was none)."""
+        self._norm = SpreadNorm(runtime.transport, NORM_CHANNEL, runtime.timeout, runtime.device)
         self._unread: dict[int, PendingRecv] = {}
         self._status: list[float] = []
 
@@ -71,11 +78,15 @@ class Stream:
         return self.previous is not None
 
     def step(
-        self, prepare: Callable[[int | None], Work], optimizer: object
+        self,
+        prepare: Callable[[int | None], Work],
+        optimizer: object,
+        max_norm: float | None = None,
     ) -> tuple[Work, float, StepReport]:
         """Run the next window: the forwards of a new mini-batch. Returns its work, the mean
         loss of the previous mini-batch (NaN if there was none) and the timing of the window,
-        from the call to the end of the update and the news."""
+        from the call to the end of the update and the news. ``max_norm``: clip the gradient
+        that the update at its end applies (and the drain's) to this 2-norm over every stage."""
         start = time.perf_counter()
         steady = self.previous is not None
         window = self.windows["steady" if steady else "first"]
@@ -96,7 +107,7 @@ class Stream:
                     f"the same on every step"
                 )
             posted = self._post_news()
-        self.optimizer = optimizer
+        self.optimizer, self.max_norm = optimizer, max_norm
         events, busy, peak = self._run(
             window, {current: work, current - 1: self.previous}, current, start
         )
@@ -254,8 +265,10 @@ class Stream:
             local = [(a, Action(a.stage, a.kind, a.microbatch % m, a.peer)) for a in window]
             older = [n for n, (a, _) in enumerate(local) if a.microbatch // m == stale]
             take_at = older[-1] if older else -1
+            if self.previous is not None and self.max_norm is not None:
+                self._norm.post()  # the previous mini-batch's gradient is applied at the end
             if self.previous is not None and take_at < 0:
-                self.versions.take_gradient()
+                self._take()
             self._post(window, batches)
         events: list[tuple[str, float, float]] = []
         busy, peak = 0.0, 0
@@ -275,14 +288,26 @@ class Stream:
                     peak = max(peak, sum(w.live for w in batches.values() if w is not None))
                 events.append((text, began - start, ended - start))
                 if index == take_at:
-                    self.versions.take_gradient()
+                    self._take()
         except Exception as e:
             raise self._failed(e, action, mine, current) from e
         return events, busy, peak
 
+    def _take(self) -> None:
+        """The previous mini-batch's gradient is complete here: set it aside (and, to clip it,
+        send this rank's part of its norm to the others at once)."""
+        self.versions.take_gradient()
+        if self.max_norm is not None and self.versions.ready is not None:
+            self._norm.send(self.versions.ready)
+
     def _update(self, optimizer: torch.optim.Optimizer, keep: bool) -> None:
-        """Apply the previous mini-batch's gradient; a failure there reaches every rank."""
+        """Apply the previous mini-batch's gradient (clipped by its norm over every stage, with
+        ``max_norm``); a failure there reaches every rank."""
         try:
+            ready = self.versions.ready
+            self.grad_norm = math.nan
+            if ready is not None and self.max_norm is not None:
+                self.grad_norm = self._norm.clip(ready, self.max_norm)
             self.versions.update(optimizer, keep=keep)
         except Exception as e:
             runtime = self.runtime
