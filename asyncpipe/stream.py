@@ -56,7 +56,10 @@ class Stream:
         cut = windows(plan, stages, microbatches, batches=2)
         first, steady, drain = cut[runtime.rank]
         self.windows = {"first": first, "steady": steady, "drain": drain}
-        self._crossing = _crossing(steady, [row[0] for row in cut.values()], microbatches)
+        self._crossing = {
+            name: _crossing(cut, runtime.rank, window, microbatches)
+            for name, window in (("first", 0), ("steady", 1))
+        }
         self.versions = WeightVersions(params)
         self.previous: Work | None = None
         """The mini-batch whose last backwards the next window (or the drain) runs."""
@@ -120,8 +123,10 @@ class Stream:
             loss = self._read_news()
         self._unread, self._status = posted, status
         self._post(self.windows["steady"], {0: work}, only=0)
-        self._take_crossing(work)
-        self.runtime.transport.flush(self.runtime.timeout)
+        transport = self.runtime.transport
+        for send in self._crossing["steady" if steady else "first"]:
+            transport.defer(*self.runtime.channel(send), send.microbatch)
+        transport.flush(self.runtime.timeout)
         # Last, when the peers have all they need of this window: a failure here reaches
         # them in their next window, not as a send that nobody takes.
         self._update(optimizer, keep=bool(owed))
@@ -199,19 +204,6 @@ class Stream:
             mine = Action(a.stage, a.kind, a.microbatch % m, a.peer)
             if owner is not None and mine not in owner.pending:
                 owner.pending[mine] = transport.recv(*self.runtime.channel(mine), mine.microbatch)
-
-    def _take_crossing(self, work: Work) -> None:
-        """Take now the messages of the mini-batch in flight that peers sent in this window
-        for the next one. A large message (or the first of its size) travels as a header and
-        then its tensors, and the sender's end-of-window wait for its sends returns only once
-        the tensors are taken: left for the next window, anything between two steps that waits
-        on the sender (a barrier, a checkpoint) would wait forever."""
-        if not self.runtime.transport.early_receives:
-            return
-        for mine in self._crossing:
-            pending = work.pending.get(mine)
-            if pending is not None and not isinstance(pending, _Taken):
-                work.pending[mine] = _Taken(pending.wait(self.runtime.timeout))
 
     # ----- one window ----------------------------------------------------------------------
 
@@ -382,27 +374,21 @@ class Stream:
             yield
 
 
-class _Taken(PendingRecv):
-    """A message taken ahead of the receive action that uses it."""
-
-    def __init__(self, message: Message) -> None:
-        self.message = message
-
-    def wait(self, timeout: float) -> Message:
-        return self.message
-
-
-def _crossing(steady: list[Action], first: list[list[Action]], microbatches: int) -> list[Action]:
-    """The receives of the next window that take what peers sent in the current one: in the
-    steady window, the receives of the older mini-batch (number 0) whose sends are in their
-    sender's first window (the windows repeat, so the same holds between any two)."""
-    opposite = {Kind.RECV_F: Kind.SEND_F, Kind.RECV_B: Kind.SEND_B}
-    sent = {a for row in first for a in row if a.kind.is_send}
+def _crossing(
+    cut: dict[int, list[list[Action]]], rank: int, window: int, microbatches: int
+) -> list[Action]:
+    """The sends of ``rank``'s ``window`` (numbered by micro-batch within its mini-batch) that
+    their receivers take only in a later window of theirs: a gradient sent at the end of a
+    window for a backward of the next one. The end of the window does not wait for them (its
+    peer may be waiting for this rank between two steps, e.g. in a barrier, and over gloo a
+    large message is taken only when its receive runs); the end of the next one does."""
+    opposite = {Kind.SEND_F: Kind.RECV_F, Kind.SEND_B: Kind.RECV_B}
+    where = {a: k for row in cut.values() for k, part in enumerate(row) for a in part}
     out = []
-    for a in steady:
-        if a.kind.is_recv and a.microbatch // microbatches == 0:
+    for a in cut[rank][window]:
+        if a.kind.is_send:
             assert a.peer is not None
-            if Action(a.peer, opposite[a.kind], a.microbatch, a.stage) in sent:
+            if where[Action(a.peer, opposite[a.kind], a.microbatch, a.stage)] > window:
                 out.append(Action(a.stage, a.kind, a.microbatch % microbatches, a.peer))
     return out
 
