@@ -330,8 +330,9 @@ class Stream:
         elif action is not None and mine is not None:
             text = self._global(action, current)
             failure = Failed(
-                f"stage {mine.stage} failed in {text} (micro-batch {mine.microbatch} of its "
-                f"mini-batch) on rank {runtime.rank}: {type(error).__name__}: {error}",
+                f"stage {mine.stage} failed in {text} (micro-batch {mine.microbatch} of "
+                f"mini-batch {text.microbatch // self.microbatches}) on rank {runtime.rank}: "
+                f"{type(error).__name__}: {error}",
                 mine.stage,
                 mine.microbatch,
                 str(text),

@@ -507,3 +507,36 @@ def test_a_failure_before_the_first_action_reaches_every_rank(
         if action:
             assert f"before its first action {action} (micro-batch 0 of mini-batch {at})" in text
             assert microbatch == 0, (rank, microbatch)
+
+
+class _FailsAt(nn.Module):
+    """Tanh that raises at its ``at``-th call (counting from 0)."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at, self.calls = at, 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        if self.calls - 1 == self.at:
+            raise ValueError("injected forward failure")
+        return torch.tanh(x)
+
+
+def test_a_failure_in_a_window_names_the_action_as_traces_do() -> None:
+    data = batches(3)
+
+    def fn(rank: int, transport: Transport) -> None:
+        layers = list(model())
+        layers[3] = _FailsAt(5)  # stage 1's forward of micro-batch 1 of mini-batch 1
+        pipe = AsyncPipe(
+            layers, [2, 2, 2, 2], chunks=4, checkpoint="never", schedule="2bw", transport=transport
+        )
+        opt = adam(pipe.parameters())
+        for x, y in data:
+            pipe.step(x, y, mse, optimizer=opt)
+
+    for rank, (status, error) in enumerate(run_threads(fn, 4)):
+        assert status == "error", rank
+        assert "stage 1 failed in 1F5 (micro-batch 1 of mini-batch 1)" in str(error), error
+        assert (error.stage, error.microbatch, error.action) == (1, 1, "1F5"), rank
