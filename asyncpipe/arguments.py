@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -21,6 +23,15 @@ __all__: list[str] = []
 
 def _positive_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _positive_number(value: object) -> bool:
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > 0
+    )
 
 
 def _suggest(layers: int, stages: int) -> list[int]:
@@ -264,3 +275,23 @@ def check_options(
         )
     if problems:
         raise ValueError("; ".join(problems))
+
+
+def check_step(loss_fn: object, optimizer: object = None, max_norm: object = None) -> None:
+    """What ``step()`` needs on every rank, whatever the schedule."""
+    if max_norm is not None:
+        if not _positive_number(max_norm):
+            raise ValueError(f"max_norm must be a positive number (got {max_norm!r})")
+        if optimizer is None:
+            raise ValueError(
+                "max_norm clips the gradient just before step() steps the optimizer, so it "
+                "needs one: pass optimizer=optimizer too, or call pipe.clip_grad_norm_(max_norm) "
+                "before your own optimizer.step()"
+            )
+    if not torch.is_grad_enabled():
+        raise RuntimeError(
+            "step() computes gradients, but gradients are disabled here; call it outside "
+            "torch.no_grad(), or use pipe(input) for inference"
+        )
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable (got {type(loss_fn).__name__})")

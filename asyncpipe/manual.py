@@ -90,7 +90,9 @@ class ManualBackward:
             resume: Work | None = None,
         ) -> Work: ...
 
-        def _traced(self, work: Work, loss: float | None) -> None: ...
+        def _traced(
+            self, work: Work | None, loss: float | None, window: str | None = None
+        ) -> None: ...
 
     def forward(self, input: object = None) -> Any:
         """Run the forward of one mini-batch through the pipeline (fairscale's style).

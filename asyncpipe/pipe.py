@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -11,9 +12,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .arguments import check_arguments, check_options, plan_factory
+from .arguments import check_arguments, check_options, check_step, plan_factory
 from .balance.auto import auto_balance
 from .batchnorm import DeferredBatchNorm, commit_all
+from .delayed import DelayedUpdates
 from .failure import MismatchedBatch, StageFailure, StepReport
 from .lazy import LazyModule
 from .manual import ManualBackward
@@ -35,7 +37,7 @@ from .work import LossFn, Work
 __all__: list[str] = []
 
 
-class AsyncPipe(ManualBackward, nn.Module):
+class AsyncPipe(DelayedUpdates, ManualBackward, nn.Module):
     """One rank's part of a model split into pipeline stages that run in separate processes.
 
     Every process of the pipeline builds ``AsyncPipe`` with the same arguments; each keeps only
@@ -176,6 +178,9 @@ class AsyncPipe(ManualBackward, nn.Module):
         self.scaler = LossScaler(float(loss_scale)) if autocast is torch.float16 else None
         self.overflow = False
         """Whether the last step overflowed in float16 (its gradients were dropped everywhere)."""
+        self.grad_norm = float("nan")
+        """The norm over every stage of the gradient that the last ``step(..., max_norm=...)``
+        (or ``flush()`` after it) clipped, before clipping; NaN when it clipped none."""
         self.stage = transport.rank
         self.num_stages = transport.world_size
         self.virtual_stages = virtual_stages
@@ -260,7 +265,7 @@ class AsyncPipe(ManualBackward, nn.Module):
             )
         self._stream: Stream | None = None
         if schedule == "2bw":
-            check_two_bw_options(self, shared_weights, trace)
+            check_two_bw_options(self, shared_weights)
             self._stream = Stream(self._runtime, list(self.parameters()), len(segments), chunks)
         self._last_segment = len(segments) - 1
         self._first_rank = segments[0].stage
@@ -353,12 +358,19 @@ class AsyncPipe(ManualBackward, nn.Module):
             self._recorder.add(report)
         return work
 
-    def _traced(self, work: Work, loss: float | None) -> None:
-        """Hand the finished step to the recorder (if tracing)."""
+    def _traced(self, work: Work | None, loss: float | None, window: str | None = None) -> None:
+        """Hand the finished step to the recorder (if tracing); ``window``: the 2BW window it
+        ran (its work is the new mini-batch, none for the drain; its loss may be NaN)."""
         if self._recorder is not None:
-            samples = sum(int(x[0].shape[0]) for x in work.inputs or () if x and x[0].dim())
-            m, train = work.microbatches, work.train
-            self._recorder.end_step(loss=loss, samples=samples, microbatches=m, train=train)
+            inputs = work.inputs if work is not None else None
+            samples = sum(int(x[0].shape[0]) for x in inputs or () if x and x[0].dim())
+            m = work.microbatches if work is not None else self.chunks
+            train = work.train if work is not None else True
+            if loss is not None and math.isnan(loss):
+                loss = None
+            self._recorder.end_step(
+                loss=loss, samples=samples, microbatches=m, train=train, window=window
+            )
 
     @property
     def trace_directory(self) -> Path | None:
@@ -455,6 +467,7 @@ class AsyncPipe(ManualBackward, nn.Module):
         target: object,
         loss_fn: LossFn,
         optimizer: torch.optim.Optimizer | None = None,
+        max_norm: float | None = None,
     ) -> float:
         """Forward and backward of one mini-batch through the whole pipeline.
 
@@ -471,6 +484,11 @@ class AsyncPipe(ManualBackward, nn.Module):
         previous mini-batch's gradient at its end, and returns that mini-batch's loss (NaN
         on the first step); :meth:`flush` drains the last one.
 
+        With ``max_norm`` as well, the gradient is clipped just before ``optimizer.step()``
+        to that 2-norm over every stage, as ``torch.nn.utils.clip_grad_norm_`` on the plain
+        model (its norm before clipping is then :attr:`grad_norm`). With 2BW this clips the
+        gradient that the update applies, the previous mini-batch's.
+
         Returns:
             the mean micro-batch loss, on every rank (of the previous mini-batch with 2BW).
 
@@ -482,15 +500,9 @@ class AsyncPipe(ManualBackward, nn.Module):
             >>> loss = pipe.step(x, y, torch.nn.functional.cross_entropy)  # doctest: +SKIP
             >>> optimizer.step()                                           # doctest: +SKIP
         """
-        if not torch.is_grad_enabled():
-            raise RuntimeError(
-                "step() computes gradients, but gradients are disabled here; call it outside "
-                "torch.no_grad(), or use pipe(input) for inference"
-            )
-        if not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable (got {type(loss_fn).__name__})")
-        if self._stream is not None:
-            return self._two_bw_step(input, target, loss_fn, optimizer)
+        if self._stream is not None:  # its checks run where a failure reaches every rank
+            return self._two_bw_step(input, target, loss_fn, optimizer, max_norm)
+        check_step(loss_fn, optimizer, max_norm)
         before = self._shared.snapshot()
         work = self._run(self._prepare(input, target, loss_fn, train=True))
         if self._averager is not None:
@@ -504,63 +516,11 @@ class AsyncPipe(ManualBackward, nn.Module):
         loss = work.loss_sum / work.microbatches
         self._traced(work, loss)
         if optimizer is not None:
+            if max_norm is not None:
+                self.grad_norm = float(self.clip_grad_norm_(max_norm))
             optimizer.step()
             optimizer.zero_grad()
         return loss
-
-    def _two_bw_step(
-        self, input: object, target: object, loss_fn: LossFn, optimizer: object
-    ) -> float:
-        assert self._stream is not None
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"schedule '2bw' applies each mini-batch's update itself, one step late: pass "
-                f"this rank's optimizer, pipe.step(x, y, loss_fn, optimizer=optimizer) (got "
-                f"{type(optimizer).__name__})"
-            )
-        self._guard()
-        try:
-            work, loss, report = self._stream.step(
-                self._prepare(input, target, loss_fn, train=True), optimizer
-            )
-        except BaseException as e:
-            self._broken = (
-                e
-                if isinstance(e, StageFailure)
-                else StageFailure(str(e), rank=self.stage, stage=-1, microbatch=-1, action="")
-            )
-            raise
-        if self.deferred_batch_norm:
-            commit_all(self.layers)
-        self.last_step = report
-        return loss
-
-    def flush(self) -> float:
-        """Drain the pipeline: with ``schedule="2bw"``, run the backwards the last mini-batch
-        still owes and apply its update, so the parameters hold every mini-batch's gradient and
-        nothing is in flight (call it on every rank at the end of training and before saving
-        a checkpoint). Other schedules never leave anything in flight.
-
-        Returns:
-            the mean loss of the mini-batch it drained, on every rank (NaN if none).
-
-        Example:
-            >>> for x, y in batches:                                     # doctest: +SKIP
-            ...     pipe.step(x, y, loss_fn, optimizer=optimizer)
-            >>> last_loss = pipe.flush()                                 # doctest: +SKIP
-        """
-        if self._stream is None or not self._stream.in_flight:
-            return float("nan")
-        self._guard()
-        try:
-            return self._stream.drain()
-        except BaseException as e:
-            self._broken = (
-                e
-                if isinstance(e, StageFailure)
-                else StageFailure(str(e), rank=self.stage, stage=-1, microbatch=-1, action="")
-            )
-            raise
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip the gradients of the whole pipeline by their norm over every stage.
@@ -577,6 +537,13 @@ class AsyncPipe(ManualBackward, nn.Module):
             >>> norm = pipe.clip_grad_norm_(1.0)               # doctest: +SKIP
             >>> optimizer.step()                               # doctest: +SKIP
         """
+        if self._stream is not None:
+            raise RuntimeError(
+                "clip_grad_norm_ scales .grad, which under schedule '2bw' holds the running "
+                "gradient of the mini-batch in flight, not the one the next update applies; "
+                "pass max_norm to step() instead, which clips that gradient by its norm over "
+                "every stage: pipe.step(x, y, loss_fn, optimizer=optimizer, max_norm=1.0)"
+            )
         grads = [p.grad.detach() for p in self.parameters() if p.grad is not None]
         return clip_norm(grads, self._runtime.exchange, max_norm, norm_type)
 

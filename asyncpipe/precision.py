@@ -1,4 +1,4 @@
-"""Mixed precision: autocast per stage, and a loss scale shared by every stage for float16.
+"""Mixed precision and gradient norms: a loss scale shared by every stage, clipping over all.
 
 With float16 the last stage multiplies each micro-batch loss by the scale before its backward,
 so small gradients survive; after the step every stage checks its own gradients and the ranks
@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+
+from .transport import Message, PendingRecv, Transport, TransportTimeout
 
 __all__: list[str] = []
 
@@ -85,6 +87,31 @@ def drop_(parameters: Iterable[nn.Parameter]) -> None:
         p.grad = None
 
 
+def partial_norm(grads: Sequence[Tensor | None], norm_type: float = 2.0) -> float:
+    """This rank's part of a norm over every rank: the sum of ``|g| ** p`` (the largest
+    ``|g|`` for the infinity norm)."""
+    present = [g for g in grads if g is not None]
+    if not present:
+        return 0.0
+    if norm_type == math.inf:
+        return float(max(g.abs().max() for g in present))
+    return float(sum(g.double().norm(norm_type) ** norm_type for g in present))
+
+
+def total_norm(parts: Sequence[float], norm_type: float = 2.0) -> float:
+    """The norm over every rank from each rank's :func:`partial_norm`."""
+    return max(parts) if norm_type == math.inf else float(sum(parts) ** (1.0 / norm_type))
+
+
+def scale_to(grads: Sequence[Tensor | None], max_norm: float, total: float) -> None:
+    """Scale ``grads`` in place so that a total norm of ``total`` becomes at most
+    ``max_norm``, as ``torch.nn.utils.clip_grad_norm_`` does."""
+    coefficient = min(max_norm / (total + 1e-6), 1.0)
+    for g in grads:
+        if g is not None:
+            g.mul_(coefficient)
+
+
 def clip_norm(
     grads: list[Tensor],
     exchange: Callable[[Sequence[float]], list[list[float]]],
@@ -96,17 +123,67 @@ def clip_norm(
     if not (isinstance(max_norm, (int, float)) and max_norm > 0):
         raise ValueError(f"max_norm must be a positive number (got {max_norm!r})")
     norm_type = float(norm_type)
-    inf = norm_type == math.inf
-    if not grads:
-        local = 0.0
-    elif inf:
-        local = float(max(g.abs().max() for g in grads))
-    else:
-        local = float(sum(g.double().norm(norm_type) ** norm_type for g in grads))
-    table = exchange([local])
-    values = [row[0] for row in table]
-    total = max(values) if inf else sum(values) ** (1.0 / norm_type)
-    coefficient = min(max_norm / (total + 1e-6), 1.0)
-    for g in grads:
-        g.mul_(coefficient)
+    table = exchange([partial_norm(grads, norm_type)])
+    total = total_norm([row[0] for row in table], norm_type)
+    scale_to(grads, max_norm, total)
     return torch.tensor(total)
+
+
+class SpreadNorm:
+    """The 2-norm over every rank of a gradient that each rank completes at its own time
+    (2BW's), without waiting where it is completed: each rank sends its part as soon as its
+    gradient is complete and reads the others' only when it clips, just before its update::
+
+        every rank:  post receives ── ... ── gradient complete: send |g|^2 to every rank
+                     ... ── update: wait for the others' parts, clip by the total, step
+
+    Args:
+        transport: the pipeline's transport.
+        channel: the channel that carries the parts (one message per peer and gradient).
+        timeout: seconds to wait for a peer's part.
+        device: where message tensors live.
+    """
+
+    def __init__(
+        self, transport: Transport, channel: int, timeout: float, device: torch.device
+    ) -> None:
+        self.transport, self.channel, self.timeout = transport, channel, timeout
+        self.device = device
+        self._pending: dict[int, PendingRecv] = {}
+        self._part: float | None = None
+
+    def post(self) -> None:
+        """Post the receives of the others' parts of the next gradient."""
+        peers = [r for r in range(self.transport.world_size) if r != self.transport.rank]
+        self._pending = {peer: self.transport.recv(peer, self.channel) for peer in peers}
+
+    def send(self, grads: Sequence[Tensor | None]) -> None:
+        """This rank's gradient is complete: send its part to every other rank."""
+        self._part = partial_norm(grads)
+        value = torch.tensor([self._part], dtype=torch.float64, device=self.device)
+        for peer in self._pending:
+            self.transport.send(peer, self.channel, Message(0, 0, (value,)))
+
+    def clip(self, grads: Sequence[Tensor | None], max_norm: float) -> float:
+        """Scale ``grads`` (this rank's) to a total norm of at most ``max_norm`` over every
+        rank; returns the total norm before clipping."""
+        parts = [self._part if self._part is not None else partial_norm(grads)]
+        pending, self._pending, self._part = self._pending, {}, None
+        for peer, receive in pending.items():
+            try:
+                message = receive.wait(self.timeout)
+            except TransportTimeout as e:
+                raise TransportTimeout(
+                    f"rank {peer} sent no part of the gradient norm within {self.timeout:.1f} s: "
+                    f"it is stuck or gone, or it called step() without max_norm (pass the same "
+                    f"max_norm on every rank)"
+                ) from e
+            tensor = message.tensors[0] if message.tensors else None
+            if message.error is not None or tensor is None:
+                raise RuntimeError(
+                    f"rank {peer} sent no part of the gradient norm: {message.error}"
+                )
+            parts.append(float(tensor.item()))
+        total = total_norm(parts)
+        scale_to(grads, max_norm, total)
+        return total

@@ -36,6 +36,7 @@ _OK, _FAILED, _RELAYED = 0.0, 1.0, 2.0
 _NEWS_SECONDS = 2.0  # how long a failed rank waits for its failure notices to be taken
 STATUS_CHANNEL = 1 << 20  # every rank tells every other how its step ended
 EXCHANGE_CHANNEL = STATUS_CHANNEL + 1  # small all-to-all exchanges between steps
+NORM_CHANNEL = STATUS_CHANNEL + 3  # 2BW: each rank's part of the norm of the gradient it applies
 _PEER_ERRORS = (TransportTimeout, ConnectionError)  # a receive found its peer silent or gone
 
 

@@ -26,7 +26,8 @@ from torch import nn
 
 from .failure import Failed, StepReport
 from .labels import profiler_range
-from .runtime import _OK, _PEER_ERRORS, STATUS_CHANNEL, Runtime
+from .precision import SpreadNorm
+from .runtime import _NEWS_SECONDS, _OK, _PEER_ERRORS, NORM_CHANNEL, STATUS_CHANNEL, Runtime
 from .schedule import Action, Kind, lower, validate
 from .schedule.two_bw import two_bw, windows
 from .transport import Message, PendingRecv, TransportTimeout
@@ -55,13 +56,22 @@ class Stream:
         cut = windows(plan, stages, microbatches, batches=2)
         first, steady, drain = cut[runtime.rank]
         self.windows = {"first": first, "steady": steady, "drain": drain}
-        self._crossing = _crossing(steady, [row[0] for row in cut.values()], microbatches)
+        self._crossing = {
+            name: _crossing(cut, runtime.rank, window, microbatches)
+            for name, window in (("first", 0), ("steady", 1))
+        }
         self.versions = WeightVersions(params)
         self.previous: Work | None = None
         """The mini-batch whose last backwards the next window (or the drain) runs."""
         self.batches = 0
         """Mini-batches begun since the start or the last drain (numbers trace events)."""
         self.optimizer: torch.optim.Optimizer | None = None
+        self.max_norm: float | None = None
+        """Clip each applied gradient to this 2-norm over every stage (the last step's)."""
+        self.grad_norm = math.nan
+        """The norm over every stage of the gradient the last update applied, before clipping
+        (NaN when the update did not clip, or there was none)."""
+        self._norm = SpreadNorm(runtime.transport, NORM_CHANNEL, runtime.timeout, runtime.device)
         self._unread: dict[int, PendingRecv] = {}
         self._status: list[float] = []
 
@@ -71,25 +81,41 @@ class Stream:
         return self.previous is not None
 
     def step(
-        self, prepare: Callable[[int | None], Work], optimizer: torch.optim.Optimizer
+        self,
+        prepare: Callable[[int | None], Work],
+        optimizer: object,
+        max_norm: float | None = None,
     ) -> tuple[Work, float, StepReport]:
         """Run the next window: the forwards of a new mini-batch. Returns its work, the mean
-        loss of the previous mini-batch (NaN if there was none) and the timing of the window."""
-        work = prepare(self.microbatches)
-        if work.microbatches != self.microbatches:
-            raise ValueError(
-                f"schedule '2bw' needs every mini-batch to split into chunks="
-                f"{self.microbatches} micro-batches (this one split into {work.microbatches}); "
-                f"pass batches of at least {self.microbatches} rows, the same on every step"
-            )
-        self.optimizer = optimizer
-        window = self.windows["steady" if self.previous is not None else "first"]
-        current = 1 if self.previous is not None else 0
-        posted = self._post_news()
-        report = self._run(window, {current: work, current - 1: self.previous}, current)
+        loss of the previous mini-batch (NaN if there was none) and the timing of the window,
+        from the call to the end of the update and the news. ``max_norm``: clip the gradient
+        that the update at its end applies (and the drain's) to this 2-norm over every stage."""
+        start = time.perf_counter()
+        steady = self.previous is not None
+        window = self.windows["steady" if steady else "first"]
+        current = 1 if steady else 0
+        with self._before(window, current):  # a rejection reaches every rank
+            work = prepare(self.microbatches)
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                raise TypeError(
+                    f"schedule '2bw' applies each mini-batch's update itself, one step late: "
+                    f"pass this rank's optimizer, pipe.step(x, y, loss_fn, optimizer=optimizer) "
+                    f"(got {type(optimizer).__name__})"
+                )
+            if work.microbatches != self.microbatches:
+                raise ValueError(
+                    f"schedule '2bw' needs every mini-batch to split into chunks="
+                    f"{self.microbatches} micro-batches (this one split into "
+                    f"{work.microbatches}); pass batches of at least {self.microbatches} rows, "
+                    f"the same on every step"
+                )
+            posted = self._post_news()
+        self.optimizer, self.max_norm = optimizer, max_norm
+        events, busy, peak = self._run(
+            window, {current: work, current - 1: self.previous}, current, start
+        )
         owed = {(a.stage, a.microbatch) for a in window if a.kind is Kind.FORWARD}
         owed -= {(a.stage, a.microbatch) for a in window if a.kind is Kind.BACKWARD}
-        self.versions.update(optimizer, keep=bool(owed))
         status = [work.loss_sum, _OK, float(self.runtime.stop_requested)]
         self._send_news(status)
         loss = math.nan
@@ -97,24 +123,32 @@ class Stream:
             loss = self._read_news()
         self._unread, self._status = posted, status
         self._post(self.windows["steady"], {0: work}, only=0)
-        self._take_crossing(work)
-        self.runtime.transport.flush(self.runtime.timeout)
+        transport = self.runtime.transport
+        for send in self._crossing["steady" if steady else "first"]:
+            transport.defer(*self.runtime.channel(send), send.microbatch)
+        transport.flush(self.runtime.timeout)
+        # Last, when the peers have all they need of this window: a failure here reaches
+        # them in their next window, not as a send that nobody takes.
+        self._update(optimizer, keep=bool(owed))
         self.previous = work
         self.batches += 1
-        return work, loss, report
+        seconds = time.perf_counter() - start
+        return work, loss, StepReport(seconds, busy, events, start, peak)
 
-    def drain(self) -> float:
+    def drain(self) -> tuple[float, StepReport]:
         """Run the backwards still owed and apply the last mini-batch's update: the pipeline is
-        then empty. Returns the mean loss of that mini-batch (NaN if nothing was in flight)."""
+        then empty. Returns the mean loss of that mini-batch (NaN if nothing was in flight) and
+        the timing of the drain."""
+        start = time.perf_counter()
         if self.previous is None or self.optimizer is None:
-            return math.nan
-        self._run(self.windows["drain"], {1: self.previous}, 2)
-        self.versions.update(self.optimizer, keep=False)
+            return math.nan, StepReport(0.0, 0.0, [], start)
+        events, busy, peak = self._run(self.windows["drain"], {1: self.previous}, 2, start)
+        self._update(self.optimizer, keep=False)
         loss = self._read_news()
         self.runtime.transport.flush(self.runtime.timeout)
         self.previous = None
         self.batches = 0
-        return loss
+        return loss, StepReport(time.perf_counter() - start, busy, events, start, peak)
 
     # ----- news of each window, read one window late --------------------------------------
 
@@ -171,49 +205,72 @@ class Stream:
             if owner is not None and mine not in owner.pending:
                 owner.pending[mine] = transport.recv(*self.runtime.channel(mine), mine.microbatch)
 
-    def _take_crossing(self, work: Work) -> None:
-        """Take now the messages of the mini-batch in flight that peers sent in this window
-        for the next one. A large message (or the first of its size) travels as a header and
-        then its tensors, and the sender's end-of-window wait for its sends returns only once
-        the tensors are taken: left for the next window, anything between two steps that waits
-        on the sender (a barrier, a checkpoint) would wait forever."""
-        if not self.runtime.transport.early_receives:
-            return
-        for mine in self._crossing:
-            pending = work.pending.get(mine)
-            if pending is not None and not isinstance(pending, _Taken):
-                work.pending[mine] = _Taken(pending.wait(self.runtime.timeout))
-
     # ----- one window ----------------------------------------------------------------------
 
+    def _global(self, action: Action, current: int) -> Action:
+        """``action`` of a window numbered in the stream since the start or the last drain:
+        micro-batch ``i`` of mini-batch ``t`` is ``t * M + i`` (as in traces and errors)."""
+        offset = (self.batches - current) * self.microbatches
+        return Action(action.stage, action.kind, action.microbatch + offset, action.peer)
+
+    @contextlib.contextmanager
+    def _before(self, window: list[Action], current: int) -> Iterator[None]:
+        """Run what comes before the first action of ``window`` (checking the arguments,
+        building the window): a failure there is sent to the peers, so that every rank raises
+        it naming this stage and the action it did not begin."""
+        try:
+            yield
+        except Exception as e:
+            runtime, m = self.runtime, self.microbatches
+            stage = min(runtime.segments)
+            computes = [a for a in window if a.kind.is_compute]
+            if computes:
+                first = self._global(computes[0], current)
+                where = (
+                    f"before its first action {first} (micro-batch {first.microbatch % m} of "
+                    f"mini-batch {first.microbatch // m})"
+                )
+            else:
+                first, where = None, "before its drain"
+            argument = isinstance(e, (TypeError, ValueError))
+            failure = Failed(
+                f"stage {stage} {'rejected its arguments' if argument else 'failed'} on rank "
+                f"{runtime.rank} {where}: {type(e).__name__}: {e}",
+                stage,
+                first.microbatch % m if first is not None else -1,
+                str(first) if first is not None else "",
+                runtime.rank,
+            )
+            raise self._tell(failure, e, raise_original=argument) from e
+
     def _run(
-        self, window: list[Action], batches: dict[int, Work | None], current: int
-    ) -> StepReport:
+        self, window: list[Action], batches: dict[int, Work | None], current: int, start: float
+    ) -> tuple[list[tuple[str, float, float]], float, int]:
         """Run ``window``; its micro-batch ``g`` is micro-batch ``g % M`` of
         ``batches[g // M]``. The previous mini-batch's gradient is taken after its last action
-        (at once if it has none here)."""
+        (at once if it has none here). Returns the events (times since ``start``), the seconds
+        of compute and the most micro-batches in flight."""
         m = self.microbatches
         runtime = self.runtime
-        local = [(a, Action(a.stage, a.kind, a.microbatch % m, a.peer)) for a in window]
         stale = current - 1
-        older = [n for n, (a, _) in enumerate(local) if a.microbatch // m == stale]
-        take_at = older[-1] if older else -1
-        if self.previous is not None and take_at < 0:
-            self.versions.take_gradient()
-        self._post(window, batches)
-        start = time.perf_counter()
+        with self._before(window, current):
+            local = [(a, Action(a.stage, a.kind, a.microbatch % m, a.peer)) for a in window]
+            older = [n for n, (a, _) in enumerate(local) if a.microbatch // m == stale]
+            take_at = older[-1] if older else -1
+            if self.previous is not None and self.max_norm is not None:
+                self._norm.post()  # the previous mini-batch's gradient is applied at the end
+            if self.previous is not None and take_at < 0:
+                self._take()
+            self._post(window, batches)
         events: list[tuple[str, float, float]] = []
         busy, peak = 0.0, 0
-        offset = (self.batches - current) * m
         action: Action | None = None
         mine: Action | None = None
         try:
             for index, (action, mine) in enumerate(local):
                 work = batches[action.microbatch // m]
                 assert work is not None
-                text = str(
-                    Action(action.stage, action.kind, action.microbatch + offset, action.peer)
-                )
+                text = str(self._global(action, current))
                 began = time.perf_counter()
                 with profiler_range(text), self._versioned(action, stale):
                     runtime.handlers[action.kind](work, mine)
@@ -223,27 +280,62 @@ class Stream:
                     peak = max(peak, sum(w.live for w in batches.values() if w is not None))
                 events.append((text, began - start, ended - start))
                 if index == take_at:
-                    self.versions.take_gradient()
+                    self._take()
         except Exception as e:
-            raise self._failed(e, action, mine) from e
-        return StepReport(time.perf_counter() - start, busy, events, start, peak)
+            raise self._failed(e, action, mine, current) from e
+        return events, busy, peak
+
+    def _take(self) -> None:
+        """The previous mini-batch's gradient is complete here: set it aside (and, to clip it,
+        send this rank's part of its norm to the others at once)."""
+        self.versions.take_gradient()
+        if self.max_norm is not None and self.versions.ready is not None:
+            self._norm.send(self.versions.ready)
+
+    def _update(self, optimizer: torch.optim.Optimizer, keep: bool) -> None:
+        """Apply the previous mini-batch's gradient (clipped by its norm over every stage, with
+        ``max_norm``); a failure there reaches every rank."""
+        try:
+            ready = self.versions.ready
+            self.grad_norm = math.nan
+            if ready is not None and self.max_norm is not None:
+                self.grad_norm = self._norm.clip(ready, self.max_norm)
+            self.versions.update(optimizer, keep=keep)
+        except Exception as e:
+            runtime = self.runtime
+            stage = min(runtime.segments)
+            failure = Failed(
+                f"stage {stage} failed on rank {runtime.rank} in the update at the end of its "
+                f"window (optimizer.step() with the gradient of the previous mini-batch): "
+                f"{type(e).__name__}: {e}",
+                stage,
+                -1,
+                "",
+                runtime.rank,
+            )
+            raise self._tell(failure, e) from e
 
     def _failed(
-        self, error: Exception, action: Action | None, mine: Action | None
+        self, error: Exception, action: Action | None, mine: Action | None, current: int
     ) -> BaseException:
         """Tell the peers that read from this rank, and the error to raise here."""
         runtime = self.runtime
         if isinstance(error, Failed):
             failure = error
+            if action is not None and mine is not None:  # where it waited, as in traces
+                here = self._global(action, current)
+                failure.text = failure.text.replace(f"waited in {mine})", f"waited in {here})")
         elif mine is not None and mine.kind.is_recv and isinstance(error, _PEER_ERRORS):
             failure = runtime._silent_peer(mine, error)
         elif action is not None and mine is not None:
+            text = self._global(action, current)
             failure = Failed(
-                f"stage {mine.stage} failed in {action} (micro-batch {mine.microbatch}) on rank "
-                f"{runtime.rank}: {type(error).__name__}: {error}",
+                f"stage {mine.stage} failed in {text} (micro-batch {mine.microbatch} of "
+                f"mini-batch {text.microbatch // self.microbatches}) on rank {runtime.rank}: "
+                f"{type(error).__name__}: {error}",
                 mine.stage,
                 mine.microbatch,
-                str(mine),
+                str(text),
                 runtime.rank,
             )
         else:
@@ -254,7 +346,20 @@ class Stream:
                 "",
                 runtime.rank,
             )
+        return self._tell(failure, error)
+
+    def _tell(
+        self, failure: Failed, error: BaseException, raise_original: bool = False
+    ) -> BaseException:
+        """Send ``failure`` to the peers that read from this rank (they relay it on), give
+        the notices a moment to leave, and return the error to raise here: the caller's own
+        bad argument as it is (``raise_original``), else a StageFailure."""
+        runtime = self.runtime
         runtime._notify(failure)
+        with contextlib.suppress(Exception):  # a peer that is gone cannot be told
+            runtime.transport.flush(min(runtime.timeout, _NEWS_SECONDS))
+        if raise_original:
+            return error
         return runtime._raise(failure, error)
 
     @contextlib.contextmanager
@@ -270,32 +375,26 @@ class Stream:
             yield
 
 
-class _Taken(PendingRecv):
-    """A message taken ahead of the receive action that uses it."""
-
-    def __init__(self, message: Message) -> None:
-        self.message = message
-
-    def wait(self, timeout: float) -> Message:
-        return self.message
-
-
-def _crossing(steady: list[Action], first: list[list[Action]], microbatches: int) -> list[Action]:
-    """The receives of the next window that take what peers sent in the current one: in the
-    steady window, the receives of the older mini-batch (number 0) whose sends are in their
-    sender's first window (the windows repeat, so the same holds between any two)."""
-    opposite = {Kind.RECV_F: Kind.SEND_F, Kind.RECV_B: Kind.SEND_B}
-    sent = {a for row in first for a in row if a.kind.is_send}
+def _crossing(
+    cut: dict[int, list[list[Action]]], rank: int, window: int, microbatches: int
+) -> list[Action]:
+    """The sends of ``rank``'s ``window`` (numbered by micro-batch within its mini-batch) that
+    their receivers take only in a later window of theirs: a gradient sent at the end of a
+    window for a backward of the next one. The end of the window does not wait for them (its
+    peer may be waiting for this rank between two steps, e.g. in a barrier, and over gloo a
+    large message is taken only when its receive runs); the end of the next one does."""
+    opposite = {Kind.SEND_F: Kind.RECV_F, Kind.SEND_B: Kind.RECV_B}
+    where = {a: k for row in cut.values() for k, part in enumerate(row) for a in part}
     out = []
-    for a in steady:
-        if a.kind.is_recv and a.microbatch // microbatches == 0:
+    for a in cut[rank][window]:
+        if a.kind.is_send:
             assert a.peer is not None
-            if Action(a.peer, opposite[a.kind], a.microbatch, a.stage) in sent:
+            if where[Action(a.peer, opposite[a.kind], a.microbatch, a.stage)] > window:
                 out.append(Action(a.stage, a.kind, a.microbatch % microbatches, a.peer))
     return out
 
 
-def check_two_bw_options(pipe: Any, shared_weights: object, trace: object) -> None:
+def check_two_bw_options(pipe: Any, shared_weights: object) -> None:
     """Every option that ``schedule="2bw"`` cannot run with, at once, as one ValueError."""
     problems = []
     ranks = pipe.num_stages
@@ -312,8 +411,6 @@ def check_two_bw_options(pipe: Any, shared_weights: object, trace: object) -> No
         problems.append(
             "schedule '2bw' has no float16 loss scaling; pass autocast=torch.bfloat16 or None"
         )
-    if trace is not None:
-        problems.append("schedule '2bw' is not traced yet; pass trace=None")
     if not pipe._runtime.transport.early_receives:
         problems.append(
             "schedule '2bw' posts receives ahead of their turn, which a transport that matches "

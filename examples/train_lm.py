@@ -60,7 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=("gpipe", "1f1b", "2bw"),
         default="gpipe",
         help="pipeline schedule; 2bw never drains between steps and applies each update one "
-        "step late (it is not traced)",
+        "step late",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and batches")
     parser.add_argument(
@@ -269,7 +269,7 @@ def main() -> None:
         chunks=args.chunks,
         checkpoint=args.checkpoint,
         schedule=args.schedule,
-        trace=(args.trace or None) if args.schedule != "2bw" else None,
+        trace=args.trace or None,
         trace_every=args.trace_every,
     )
     del model  # this rank keeps only its stage's layers

@@ -40,11 +40,18 @@ def adam(params: Any) -> torch.optim.Optimizer:
 
 
 def delayed_reference(
-    plain: nn.Module, data: list[tuple[Tensor, Tensor]], chunks: int, flush_after: set[int]
+    plain: nn.Module,
+    data: list[tuple[Tensor, Tensor]],
+    chunks: int,
+    flush_after: set[int],
+    max_norm: float | None = None,
+    norms: list[float] | None = None,
 ) -> tuple[list[float], nn.Module]:
     """The 2BW rule in one process: mini-batch t runs on W(t), and W(t+1) = W(t) updated with
     the gradient of mini-batch t-1 (computed at W(t-1)); a flush applies the pending gradient.
-    Returns what step() and flush() return, in call order, and the trained model."""
+    With ``max_norm``, torch's ``clip_grad_norm_`` clips each gradient applied (its norms are
+    appended to ``norms``). Returns what step() and flush() return, in call order, and the
+    trained model."""
     plain = copy.deepcopy(plain)
     params = list(plain.parameters())
     opt = adam(params)
@@ -55,6 +62,10 @@ def delayed_reference(
     def apply(grads: list[Tensor]) -> None:
         for p, g in zip(params, grads):
             p.grad = g
+        if max_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+            if norms is not None:
+                norms.append(float(norm))
         opt.step()
 
     for t, (x, y) in enumerate(data):
@@ -77,8 +88,15 @@ def delayed_reference(
 
 
 def run_two_bw(
-    balance: list[int], chunks: int, policy: str, steps: int, flush_after: set[int]
+    balance: list[int],
+    chunks: int,
+    policy: str,
+    steps: int,
+    flush_after: set[int],
+    max_norm: float | None = None,
 ) -> tuple[list[list[float]], list[AsyncPipe]]:
+    """Every rank's returned losses (with ``max_norm``: then every ``grad_norm`` after them)
+    and pipes."""
     plain, data = model(), batches(steps)
 
     def fn(rank: int, transport: Transport) -> tuple[list[float], AsyncPipe]:
@@ -92,12 +110,14 @@ def run_two_bw(
             timeout=20,
         )
         opt = adam(pipe.parameters())
-        out = []
+        out, norms = [], []
         for t, (x, y) in enumerate(data):
-            out.append(pipe.step(x, y, mse, optimizer=opt))
+            out.append(pipe.step(x, y, mse, optimizer=opt, max_norm=max_norm))
+            norms.append(pipe.grad_norm)
             if t in flush_after:
                 out.append(pipe.flush())
-        return out, pipe
+                norms.append(pipe.grad_norm)
+        return out + (norms if max_norm is not None else []), pipe
 
     results = values(run_threads(fn, len(balance)))
     return [r[0] for r in results], [r[1] for r in results]
@@ -213,13 +233,84 @@ def test_a_checkpoint_taken_after_flush_resumes_exactly() -> None:
         assert first[1:] == second[1:]
 
 
-def test_step_needs_the_optimizer_and_flush_drains_only_once() -> None:
+@pytest.mark.parametrize(("balance", "policy"), [([4, 4], "never"), ([2, 2, 2, 2], "always")])
+def test_2bw_clips_the_gradient_it_applies_by_its_norm_over_every_stage(
+    balance: list[int], policy: str
+) -> None:
+    steps, max_norm = 5, 1.0
+    got, pipes = run_two_bw(balance, 4, policy, steps, {2, steps - 1}, max_norm=max_norm)
+    norms: list[float] = []
+    want, plain = delayed_reference(model(), batches(steps), 4, {2, steps - 1}, max_norm, norms)
+    calls = len(want)
+    assert_same(pipes, plain, [g[:calls] for g in got], want)
+    # every update's norm before clipping, as torch's on the reference; none before the first
+    assert min(norms) < max_norm < max(norms)  # some updates were clipped, some not
+    for rank_norms in (g[calls:] for g in got):
+        assert [n for n in rank_norms if not math.isnan(n)] == pytest.approx(norms, rel=1e-6)
+        assert math.isnan(rank_norms[0]) and math.isnan(rank_norms[4])  # after each start
+
+
+def test_clip_grad_norm_is_refused_with_2bw_before_any_message() -> None:
+    data = batches(2)
+
+    def fn(rank: int, transport: Transport) -> str:
+        pipe = AsyncPipe(model(), [4, 4], chunks=2, schedule="2bw", transport=transport)
+        opt = adam(pipe.parameters())
+        pipe.step(*data[0], mse, optimizer=opt)
+        text = ""
+        if rank == 0:  # alone: it must fail before it sends anything the other would read
+            with pytest.raises(RuntimeError, match="max_norm=1.0") as info:
+                pipe.clip_grad_norm_(1.0)
+            text = str(info.value)
+        pipe.step(*data[1], mse, optimizer=opt)  # the pipeline goes on
+        pipe.flush()
+        return text
+
+    text = values(run_threads(fn, 2))[0]
+    assert "holds the running gradient of the mini-batch in flight" in text
+
+
+def test_max_norm_clips_before_the_optimizer_with_a_flushing_schedule() -> None:
+    plain, (x, y) = model(), batches(1)[0]
+    reference = copy.deepcopy(plain)
+    opt = adam(reference.parameters())
+    for px, py in zip(x.chunk(4), y.chunk(4)):
+        (mse(reference(px), py) / 4).backward()
+    norm = float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1))
+    opt.step()
+
+    def fn(rank: int, transport: Transport) -> tuple[dict[str, Tensor], float]:
+        pipe = AsyncPipe(copy.deepcopy(plain), [4, 4], chunks=4, transport=transport)
+        with pytest.raises(ValueError, match="pass optimizer=optimizer too"):
+            pipe.step(x, y, mse, max_norm=0.1)
+        pipe.step(x, y, mse, optimizer=adam(pipe.parameters()), max_norm=0.1)
+        return pipe.state_dict(), pipe.grad_norm
+
+    state: dict[str, Tensor] = {}
+    for part, got in values(run_threads(fn, 2)):
+        state.update(part)
+        assert got == pytest.approx(norm, rel=1e-6) and norm > 0.1
+    for name, tensor in reference.state_dict().items():
+        torch.testing.assert_close(state[name], tensor, rtol=1e-5, atol=1e-6)
+
+
+def test_step_needs_the_optimizer() -> None:
+    data = batches(1)
+
+    def fn(rank: int, transport: Transport) -> None:
+        pipe = AsyncPipe(model(), [4, 4], chunks=2, schedule="2bw", transport=transport)
+        pipe.step(*data[0], mse)
+
+    for status, error in run_threads(fn, 2):
+        assert status == "error" and isinstance(error, TypeError), error
+        assert "optimizer=optimizer" in str(error)
+
+
+def test_flush_drains_only_once() -> None:
     plain, data = model(), batches(2)
 
     def fn(rank: int, transport: Transport) -> list[float]:
         pipe = AsyncPipe(plain, [4, 4], chunks=2, schedule="2bw", transport=transport)
-        with pytest.raises(TypeError, match="optimizer=optimizer"):
-            pipe.step(*data[0], mse)
         opt = adam(pipe.parameters())
         got = [pipe.step(*data[0], mse, optimizer=opt), pipe.flush(), pipe.flush()]
         with pytest.raises(RuntimeError, match="inference only"):
@@ -238,24 +329,31 @@ def test_options_2bw_cannot_run_with_fail_in_the_constructor() -> None:
         assert status == "error" and "pass chunks=3" in str(error)
 
 
-def _gloo_worker(rank: int, world: int, policy: str, steps: int) -> tuple[list[float], dict]:
+def _gloo_worker(
+    rank: int, world: int, policy: str, steps: int, max_norm: float | None
+) -> tuple[list[float], dict]:
     torch.set_num_threads(1)
     pipe = AsyncPipe(model(), [8 // world] * world, chunks=4, checkpoint=policy, schedule="2bw")
     opt = adam(pipe.parameters())
-    out = [pipe.step(x, y, mse, optimizer=opt) for x, y in batches(steps)]
+    out = [pipe.step(x, y, mse, optimizer=opt, max_norm=max_norm) for x, y in batches(steps)]
     torch.distributed.barrier()  # nothing in flight may wait on a receive across a barrier
     out.append(pipe.flush())
     return out, pipe.state_dict()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("world", "policy"), [(2, "never"), (4, "except_last")])
-def test_2bw_over_gloo_matches_the_delayed_update_reference(world: int, policy: str) -> None:
+@pytest.mark.parametrize(
+    ("world", "policy", "max_norm"),
+    [(2, "never", None), (4, "except_last", None), (4, "never", 1.0)],
+)
+def test_2bw_over_gloo_matches_the_delayed_update_reference(
+    world: int, policy: str, max_norm: float | None
+) -> None:
     from tests.spawn import run_ranks
 
     steps = 4
-    results = run_ranks(_gloo_worker, world, policy, steps, timeout=180)
-    want, plain = delayed_reference(model(), batches(steps), 4, {steps - 1})
+    results = run_ranks(_gloo_worker, world, policy, steps, max_norm, timeout=180)
+    want, plain = delayed_reference(model(), batches(steps), 4, {steps - 1}, max_norm)
     _check_ranks(results, want, plain, rel=1e-5, atol=1e-6)
 
 
@@ -338,3 +436,107 @@ def test_memory_is_two_weight_versions_and_1f1b_activations() -> None:
         assert peak == 4 - rank  # as 1F1B: at most stages - rank micro-batches in flight
         assert versions == (1 if rank == 3 else 2)  # the last stage never needs the stash
         assert stashed == (0 if rank == 3 else params)
+
+
+# ----- a failure before the first action reaches every rank --------------------------------
+
+
+def _rejecting_worker(rank: int, world: int, culprit: int, how: str, at: int) -> tuple:
+    """Three 2BW steps in which rank ``culprit`` fails at step ``at`` before its first action
+    (``how``: it passes no optimizer, an input or a target of another batch size) or in the
+    update at its end; returns what this rank raised."""
+    torch.set_num_threads(1)
+    pipe = AsyncPipe(model(), [8 // world] * world, chunks=4, schedule="2bw", timeout=30)
+    opt = adam(pipe.parameters())
+
+    def fail(*_: object) -> None:
+        if steps == at:
+            raise ValueError("injected optimizer failure")
+
+    if rank == culprit and how == "update":
+        opt.register_step_pre_hook(fail)
+    steps = 0
+    try:
+        for steps, (x, y) in enumerate(batches(3)):
+            optimizer: object = opt
+            if rank == culprit and steps == at:
+                if how == "optimizer":
+                    optimizer = None
+                elif how == "input":
+                    x = x[:2]
+                elif how == "target":
+                    y = y[:2]
+            pipe.step(x, y, mse, optimizer=optimizer)
+        pipe.flush()
+    except Exception as e:
+        fields = [getattr(e, name, None) for name in ("stage", "microbatch", "action")]
+        return (type(e).__name__, str(e), steps, *fields)
+    return ("no error", "", steps, None, None, None)
+
+
+REJECTIONS = {
+    # (world, culprit, how, step): (the culprit's own error, words every other rank's has,
+    # the action it names)
+    (2, 1, "optimizer", 1): ("TypeError", "stage 1 rejected its arguments", "1F4"),
+    (4, 0, "input", 2): ("ValueError", "stage 0 rejected its arguments", "0F8"),
+    (4, 3, "target", 1): ("ValueError", "stage 3 rejected its arguments", "3F4"),
+    (4, 2, "update", 1): ("StageFailure", "stage 2 failed on rank 2 in the update", ""),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(REJECTIONS), ids=lambda c: f"{c[0]}ranks-{c[2]}")
+def test_a_failure_before_the_first_action_reaches_every_rank(
+    case: tuple[int, int, str, int],
+) -> None:
+    from tests.spawn import run_ranks
+
+    world, culprit, how, at = case
+    own, words, action = REJECTIONS[case]
+    results = run_ranks(_rejecting_worker, world, culprit, how, at, timeout=180)
+    for rank, (kind, text, step, stage, microbatch, named) in enumerate(results):
+        if rank == culprit:
+            assert kind == own and step == at, (rank, kind, text)
+            continue
+        # a rejection stops the window it was to run; an update fails after its window, so a
+        # peer may learn of it in the next one
+        assert step == at or (how == "update" and step == at + 1), (rank, step, text)
+        assert kind == "StageFailure", (rank, kind, text)
+        assert words in text and "timed out" not in text, (rank, text)
+        assert stage == culprit and named == action, (rank, stage, named, text)
+        if action:
+            assert f"before its first action {action} (micro-batch 0 of mini-batch {at})" in text
+            assert microbatch == 0, (rank, microbatch)
+
+
+class _FailsAt(nn.Module):
+    """Tanh that raises at its ``at``-th call (counting from 0)."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at, self.calls = at, 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        if self.calls - 1 == self.at:
+            raise ValueError("injected forward failure")
+        return torch.tanh(x)
+
+
+def test_a_failure_in_a_window_names_the_action_as_traces_do() -> None:
+    data = batches(3)
+
+    def fn(rank: int, transport: Transport) -> None:
+        layers = list(model())
+        layers[3] = _FailsAt(5)  # stage 1's forward of micro-batch 1 of mini-batch 1
+        pipe = AsyncPipe(
+            layers, [2, 2, 2, 2], chunks=4, checkpoint="never", schedule="2bw", transport=transport
+        )
+        opt = adam(pipe.parameters())
+        for x, y in data:
+            pipe.step(x, y, mse, optimizer=opt)
+
+    for rank, (status, error) in enumerate(run_threads(fn, 4)):
+        assert status == "error", rank
+        assert "stage 1 failed in 1F5 (micro-batch 1 of mini-batch 1)" in str(error), error
+        assert (error.stage, error.microbatch, error.action) == (1, 1, "1F5"), rank

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from collections import Counter
@@ -13,10 +14,11 @@ import torch
 from models import mlp, reference
 from threads import run_threads, values
 from torch import nn
-from trace_workers import traced_run
+from trace_workers import traced_run, traced_two_bw
 
 from asyncpipe import AsyncPipe
-from asyncpipe.schedule import build, lower
+from asyncpipe.schedule import build, lower, two_bw
+from asyncpipe.schedule.two_bw import windows
 from asyncpipe.trace import (
     RankStep,
     StepTrace,
@@ -172,6 +174,73 @@ def test_html_loads_in_headless_chromium(gloo_run: Path, tmp_path: Path) -> None
 def test_check_script_is_documented() -> None:
     script = REPO / "benchmarks" / "check_trace_html.py"
     assert script.exists() and "chromium" in script.read_text()
+
+
+# ----- PipeDream-2BW: one window per step -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_bw_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[float]]:
+    """Three processes over gloo, 4 steps of 2BW and the drain, timelines every 2 steps."""
+    from spawn import run_ranks
+
+    directory = tmp_path_factory.mktemp("trace2bw") / "run"
+    losses = run_ranks(traced_two_bw, 3, str(directory), 4, 2, timeout=240)
+    assert all(math.isnan(v[0]) and v[1:] == losses[0][1:] and len(v) == 5 for v in losses)
+    return directory, losses[0]
+
+
+@pytest.mark.slow
+def test_2bw_steps_are_traced_as_the_windows_of_the_stream(
+    two_bw_run: tuple[Path, list[float]],
+) -> None:
+    directory, losses = two_bw_run
+    steps = load_steps(directory)
+    assert [s.step for s in steps] == [0, 1, 2, 3, 4]  # four windows, then the drain
+    assert [s.plan for s in steps] == ["4/2bw-first", "4/2bw", "4/2bw", "4/2bw", "4/2bw-drain"]
+    # every rank ran exactly its window of the stream of 4 mini-batches, named in the stream
+    cut = windows(lower(two_bw(3, 4, batches=4)), 3, 4, 4)
+    for s in steps:
+        for rank in range(3):
+            ran = [n for n, _, _ in s.ranks[rank].events if n[0].isdigit()]
+            assert ran == [str(a) for a in cut[rank][s.step]], (s.step, rank)
+    # the loss of step n is that of mini-batch n - 1 (what step() and the drain returned)
+    assert steps[0].loss is None
+    assert [s.loss for s in steps[1:]] == pytest.approx(losses[1:], rel=1e-6)
+    assert [s.samples for s in steps] == [8, 8, 8, 8, 0]
+    # the plan of a window is the stream; its ideal is the same window, named as measured
+    plans = load_plans(directory)
+    assert plans["4/2bw"] == lower(two_bw(3, 4, batches=3))
+    for s in steps:
+        ideal = s.ideal(plans[s.plan])
+        for rank in range(3):
+            measured = [n for n, _, _ in s.ranks[rank].events if n[0].isdigit()]
+            assert [n for n, _, _ in ideal.timeline[rank]] == measured, (s.step, rank)
+        assert ideal.makespan > 0 and 0 <= ideal.total_bubble < 1
+
+
+@pytest.mark.slow
+def test_2bw_trace_files_tensorboard_and_chrome(two_bw_run: tuple[Path, list[float]]) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    directory, losses = two_bw_run
+    board = EventAccumulator(str(directory), size_guidance={"images": 0, "scalars": 0})
+    board.Reload()
+    assert [e.step for e in board.Scalars("train/step_seconds")] == [0, 1, 2, 3, 4]
+    assert [e.step for e in board.Scalars("train/loss")] == [1, 2, 3, 4]
+    assert [e.value for e in board.Scalars("train/loss")] == pytest.approx(losses[1:], rel=1e-6)
+    assert [e.step for e in board.Images("timeline")] == [0, 2, 4]
+    assert [e.step for e in board.Scalars("pipeline/ideal_step_seconds")] == [0, 2, 4]
+    config = board.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "2bw" in config
+    trace = json.loads((directory / "trace.json").read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] == "compute"]
+    forwards = sorted({e["name"] for e in spans if e["pid"] == 0 and "F" in e["name"]})
+    assert forwards == sorted(f"0F{n}" for n in range(16))  # 4 mini-batches of 4, one stream
+    rendered = render(directory, out=directory / "again", quiet=True)
+    assert rendered.step.plan == "4/2bw" and set(rendered.files) == {"trace", "html", "png"}
+    html = rendered.files["html"].read_text()
+    assert html.count("<svg") == 2 and "0F12" in html  # measured and ideal of the last window
 
 
 # ----- in one process -------------------------------------------------------------------

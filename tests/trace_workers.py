@@ -55,3 +55,24 @@ def traced_run(rank: int, world: int, directory: str, steps: int, every: int, ch
             optimizer.step()
     pipe.close()
     return losses
+
+
+def traced_two_bw(rank: int, world: int, directory: str, steps: int, every: int) -> Any:
+    """``steps`` steps of the sleep workload under ``schedule="2bw"`` (one layer per rank,
+    chunks 4) traced into ``directory``, then ``close()`` (which drains); returns what every
+    step and the drain returned."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Sleep() for _ in range(world)])
+    pipe = AsyncPipe(
+        model, [1] * world, chunks=4, checkpoint="never", timeout=60, schedule="2bw",
+        trace=directory, trace_every=every,
+    )  # fmt: skip
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.01)
+    generator = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        x, y = torch.randn(8, 4, generator=generator), torch.randn(8, 4, generator=generator)
+        losses.append(pipe.step(x, y, nn.functional.mse_loss, optimizer=optimizer))
+    losses.append(pipe.flush())
+    pipe.close()
+    return losses

@@ -188,15 +188,29 @@ def _text_width(text: str, size: float) -> float:
     return len(text) * size * _CHAR
 
 
-def _layout(simulation: Simulation, title: str, axis_end: float = 0.0) -> _Picture:
-    ranks = sorted(simulation.timeline)
-    entries = [e for rank in ranks for e in simulation.timeline[rank]]
+def _span(simulation: Simulation, axis_end: float) -> float:
+    entries = [e for row in simulation.timeline.values() for e in row]
     span = max([simulation.makespan, axis_end] + [end for _, _, end in entries])
-    span = span if span > 0 else 1.0
+    return span if span > 0 else 1.0
+
+
+def chart_width(simulation: Simulation, axis_end: float = 0.0) -> float:
+    """Pixels of the time axis of ``simulation``'s picture: wide enough that its shortest
+    action gets a box of some size, within 480 to 1600."""
+    span = _span(simulation, axis_end)
+    entries = [e for row in simulation.timeline.values() for e in row]
     durations = [end - start for _, start, end in entries if end - start > 0]
     shortest = min(durations, default=span)
-    chart_width = min(max(span / shortest * 36.0, 480.0), 1600.0)
-    scale = chart_width / span
+    return min(max(span / shortest * 36.0, 480.0), 1600.0)
+
+
+def _layout(
+    simulation: Simulation, title: str, axis_end: float = 0.0, pixels: float = 0.0
+) -> _Picture:
+    ranks = sorted(simulation.timeline)
+    span = _span(simulation, axis_end)
+    chart = pixels if pixels > 0 else chart_width(simulation, axis_end)
+    scale = chart / span
     shapes: list[_Shape] = []
 
     y = _PAD
@@ -211,7 +225,7 @@ def _layout(simulation: Simulation, title: str, axis_end: float = 0.0) -> _Pictu
     )
     shapes.append(_Text(_PAD, y + 7, summary, 12, fill=_FAINT))
     y += 20
-    shapes.append(_Text(left + chart_width + 8, y + 5, "bubble", 10, fill=_FAINT))
+    shapes.append(_Text(left + chart + 8, y + 5, "bubble", 10, fill=_FAINT))
     y += 12
 
     top = y
@@ -219,7 +233,7 @@ def _layout(simulation: Simulation, title: str, axis_end: float = 0.0) -> _Pictu
         middle = y + _ROW / 2
         box_top = middle - _BOX / 2
         shapes.append(_Text(left - 8, middle, f"rank {rank}", 12, anchor="end"))
-        shapes.append(_Rect(left, box_top, chart_width, _BOX, _IDLE, "idle"))
+        shapes.append(_Rect(left, box_top, chart, _BOX, _IDLE, "idle"))
         for text, start, end in simulation.timeline[rank]:
             group = _group(text)
             x = left + start * scale
@@ -233,12 +247,12 @@ def _layout(simulation: Simulation, title: str, axis_end: float = 0.0) -> _Pictu
             if group != "comm" and _text_width(text, 11) + 4 <= width:
                 shapes.append(_Text(x + width / 2, middle, text, 11, "middle", "#ffffff"))
         bubble = bubbles.get(rank, 0.0)
-        shapes.append(_Text(left + chart_width + 8, middle, f"{bubble:.1%}", 11))
+        shapes.append(_Text(left + chart + 8, middle, f"{bubble:.1%}", 11))
         y += _ROW
 
     axis = y + 4
     shapes.append(_Line(left, top, left, axis, _FAINT))
-    shapes.append(_Line(left, axis, left + chart_width, axis))
+    shapes.append(_Line(left, axis, left + chart, axis))
     step = _tick_step(span)
     for n in range(int(span / step + 1e-9) + 1):
         x = left + n * step * scale
@@ -267,7 +281,7 @@ def _layout(simulation: Simulation, title: str, axis_end: float = 0.0) -> _Pictu
         x += 17 + _text_width(label, 11) + 18
 
     heading = max(_text_width(title, 15), _text_width(summary, 12))
-    width = max(left + chart_width + _RIGHT_WIDTH + _PAD, x + _PAD, 2 * _PAD + heading)
+    width = max(left + chart + _RIGHT_WIDTH + _PAD, x + _PAD, 2 * _PAD + heading)
     height = legend + 8 + _PAD
     background = _Rect(0, 0, width, height, "#ffffff", "background")
     return _Picture(width, height, title, [background, *shapes])
@@ -316,7 +330,9 @@ def _svg_shape(shape: _Shape) -> str:
     )
 
 
-def timeline_svg(simulation: Simulation, title: str = "", *, axis_end: float = 0.0) -> str:
+def timeline_svg(
+    simulation: Simulation, title: str = "", *, axis_end: float = 0.0, width: float = 0.0
+) -> str:
     """A self-contained SVG Gantt chart of a simulated plan.
 
     One row per rank and one box per entry of ``simulation.timeline``, spanning its start to end
@@ -330,6 +346,8 @@ def timeline_svg(simulation: Simulation, title: str = "", *, axis_end: float = 0
         simulation: what :func:`~asyncpipe.schedule.simulate` returned.
         title: a heading for the picture (also its SVG ``<title>``); none if empty.
         axis_end: draw the time axis at least this far (to put two pictures on one scale).
+        width: pixels of the time axis (default: :func:`chart_width`); give two pictures
+            the same ``axis_end`` and ``width`` to draw them on one scale.
 
     Returns:
         the SVG document as text.
@@ -340,11 +358,11 @@ def timeline_svg(simulation: Simulation, title: str = "", *, axis_end: float = 0
         >>> svg.startswith("<svg") and svg.count('class="action') == 8
         True
     """
-    picture = _layout(simulation, title, axis_end)
-    width, height = _svg_number(picture.width), _svg_number(picture.height)
+    picture = _layout(simulation, title, axis_end, width)
+    size, height = _svg_number(picture.width), _svg_number(picture.height)
     lines = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-        f'viewBox="0 0 {width} {height}" font-family={_xml_attribute(_FONT)}>'
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{size}" height="{height}" '
+        f'viewBox="0 0 {size} {height}" font-family={_xml_attribute(_FONT)}>'
     ]
     if picture.title:
         lines.append(f"<title>{_xml_text(picture.title)}</title>")
@@ -374,9 +392,11 @@ def timeline_png(simulation: Simulation, path: str | Path, title: str = "") -> N
     timeline_image(simulation, title).save(Path(path), format="PNG")
 
 
-def timeline_image(simulation: Simulation, title: str = "", axis_end: float = 0.0) -> Any:
+def timeline_image(
+    simulation: Simulation, title: str = "", axis_end: float = 0.0, width: float = 0.0
+) -> Any:
     """The picture of :func:`timeline_png` as a Pillow image (RGB), not written anywhere;
-    ``axis_end`` as in :func:`timeline_svg`."""
+    ``axis_end`` and ``width`` as in :func:`timeline_svg`."""
     try:
         from PIL import Image, ImageDraw, ImageFont  # type: ignore[import-not-found, unused-ignore]
     except ImportError as e:
@@ -386,7 +406,7 @@ def timeline_image(simulation: Simulation, title: str = "", axis_end: float = 0.
         ) from e
 
     zoom = 2.0
-    picture = _layout(simulation, title, axis_end)
+    picture = _layout(simulation, title, axis_end, width)
     size = (math.ceil(picture.width * zoom), math.ceil(picture.height * zoom))
     image = Image.new("RGB", size, "#ffffff")
     draw = ImageDraw.Draw(image)

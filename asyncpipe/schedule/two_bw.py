@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from .action import Action, Kind, Plan
 from .generate import _check_counts
+from .simulate import Costs, Simulation, simulate
 
 __all__: list[str] = []
 
@@ -115,3 +116,49 @@ def windows(
             cut[n].append(a)
         out[rank] = cut
     return out
+
+
+def simulate_window(
+    plan: Plan,
+    costs: Costs,
+    microbatches: int,
+    window: int,
+    batches: int,
+    first: int | None = None,
+) -> Simulation:
+    """Simulate a (lowered) :func:`two_bw` stream of ``batches`` mini-batches and keep one of
+    its :func:`windows` (``batches``: the drain): every rank's actions of that window, times
+    from the first of them on any rank, which is how a traced 2BW step is measured.
+
+    ``first``: renumber the window's micro-batches so that the lowest is ``first``: a later
+    window of a longer stream has the same timing with other numbers (here the window of
+    mini-batch 4, whose forwards are micro-batches 8 and 9, and rank 0's first backward is 7).
+
+    Example:
+        >>> from asyncpipe.schedule import Costs, two_bw
+        >>> sim = simulate_window(two_bw(2, 2), Costs(forward=1, backward=2), 2, 1, 3, first=7)
+        >>> sim.makespan, [name for name, _, _ in sim.timeline[1]]
+        (7.0, ['1F8', '1B8', '1F9', '1B9'])
+    """
+    full = simulate(plan, costs)
+    cut = windows(plan, len(plan), microbatches, batches)
+    kept: dict[int, list[tuple[Action, float, float]]] = {}
+    for rank, parts in cut.items():
+        begin = sum(len(part) for part in parts[:window])
+        events = full.timeline[rank][begin : begin + len(parts[window])]
+        kept[rank] = [(Action.parse(name), s, e) for name, s, e in events]
+    computes = [(a, s, e) for row in kept.values() for a, s, e in row if a.kind.is_compute]
+    origin = min((s for row in kept.values() for _, s, _ in row), default=0.0)
+    shift = (
+        0 if first is None or not computes else first - min(a.microbatch for a, _, _ in computes)
+    )
+    timeline = {
+        rank: [
+            (str(Action(a.stage, a.kind, a.microbatch + shift, a.peer)), s - origin, e - origin)
+            for a, s, e in row
+        ]
+        for rank, row in kept.items()
+    }
+    busy = {rank: sum(e - s for a, s, e in row if a.kind.is_compute) for rank, row in kept.items()}
+    end = max((e for row in timeline.values() for _, _, e in row), default=0.0)
+    return Simulation(end, busy, timeline)

@@ -7,8 +7,8 @@ import os
 from pathlib import Path
 
 from ..schedule import Plan, timeline_svg
-from ..schedule.show import timeline_image
-from .run import StepTrace
+from ..schedule.show import chart_width, timeline_image
+from .run import StepTrace, stream_window
 
 __all__: list[str] = []
 
@@ -19,8 +19,9 @@ def titles(step: StepTrace, plan: Plan | None) -> tuple[str, str]:
     if plan is None:
         return measured, ""
     ideal = step.ideal(plan)
+    what = "the same plan" if stream_window(step.plan) is None else "the same 2BW window"
     return measured, (
-        f"simulated ideal of the same plan (measured compute, free messages): "
+        f"simulated ideal of {what} (measured compute, free messages): "
         f"{ideal.makespan * 1e3:.1f} ms"
     )
 
@@ -47,10 +48,11 @@ def svgs(step: StepTrace, plan: Plan | None) -> list[str]:
     """The measured step and (with a plan) its ideal, as SVG documents (times in ms)."""
     heading, ideal_heading = titles(step, plan)
     ms = _in_ms(step)
-    span = ms.makespan  # both on one time scale
-    out = [timeline_svg(ms.simulation(), heading, axis_end=span)]
+    measured, span = ms.simulation(), ms.makespan
+    width = chart_width(measured, span)  # both on one time scale
+    out = [timeline_svg(measured, heading, axis_end=span, width=width)]
     if plan is not None:
-        out.append(timeline_svg(ms.ideal(plan), ideal_heading, axis_end=span))
+        out.append(timeline_svg(ms.ideal(plan), ideal_heading, axis_end=span, width=width))
     return out
 
 
@@ -61,10 +63,11 @@ def png_bytes(step: StepTrace, plan: Plan | None) -> tuple[bytes, int, int]:
 
     heading, ideal_heading = titles(step, plan)
     ms = _in_ms(step)
-    span = ms.makespan  # both on one time scale
-    images = [timeline_image(ms.simulation(), heading, span)]
+    measured, span = ms.simulation(), ms.makespan
+    width = chart_width(measured, span)  # both on one time scale
+    images = [timeline_image(measured, heading, span, width)]
     if plan is not None:
-        images.append(timeline_image(ms.ideal(plan), ideal_heading, span))
+        images.append(timeline_image(ms.ideal(plan), ideal_heading, span, width))
     width = max(i.width for i in images)
     canvas = Image.new("RGB", (width, sum(i.height for i in images)), "#ffffff")
     y = 0

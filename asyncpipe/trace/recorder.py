@@ -32,10 +32,10 @@ import torch
 from torch.autograd.profiler import record_function
 
 from ..failure import StepReport
-from ..schedule import Plan, forward_only, lower
+from ..schedule import Plan, forward_only, lower, two_bw
 from ..transport import Message, PendingRecv, Transport
 from .clock import clock_offset
-from .run import SYNC, WAIT, Event, RankStep, StepTrace
+from .run import STREAM_BATCHES, SYNC, WAIT, WINDOWS, Event, RankStep, StepTrace
 from .writer import TraceWriter
 
 __all__: list[str] = []
@@ -157,8 +157,19 @@ class Recorder:
         self._phases += _phase_events(report, self.offset)
         self._phase_end = report.start + self.offset + report.seconds
 
-    def end_step(self, *, loss: float | None, samples: int, microbatches: int, train: bool) -> None:
-        """Ship the step's payload (rank 0 keeps its own) and write what has arrived."""
+    def end_step(
+        self,
+        *,
+        loss: float | None,
+        samples: int,
+        microbatches: int,
+        train: bool,
+        window: str | None = None,
+    ) -> None:
+        """Ship the step's payload (rank 0 keeps its own) and write what has arrived.
+
+        ``window``: the step ran one window of the 2BW stream (a key of ``WINDOWS``), not a
+        whole plan; its plan in the trace is the stream it is a window of."""
         assert self._phase_start is not None
         payload: dict[str, Any] = {
             "start": self._phase_start,
@@ -175,11 +186,17 @@ class Recorder:
             message = Message(step % 2, step, (data.to(self.device),))
             self.transport.send(0, TRACE_CHANNEL, message)
             return
-        key = f"{microbatches}/{'train' if train else 'eval'}"
+        key = f"{microbatches}/{window or ('train' if train else 'eval')}"
         if key not in self._plans:
             self._plans.add(key)
-            plan = lower(self.plan_for(microbatches))
-            self.writer.add_plan(key, plan if train else forward_only(plan))
+            if window is not None:
+                if window not in WINDOWS:
+                    raise ValueError(f"no 2BW window is named {window!r}: one of {list(WINDOWS)}")
+                world = self.transport.world_size
+                self.writer.add_plan(key, lower(two_bw(world, microbatches, STREAM_BATCHES)))
+            else:
+                plan = lower(self.plan_for(microbatches))
+                self.writer.add_plan(key, plan if train else forward_only(plan))
         payload.update(step=step, loss=loss, plan=key)
         peers = range(1, self.transport.world_size)
         # Two slots: a slot's next receive is posted only after its last message was taken,

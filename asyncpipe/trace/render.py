@@ -82,7 +82,7 @@ def render(
     directory = Path(directory)
     target = Path(out) if out is not None else directory
     target.mkdir(parents=True, exist_ok=True)
-    steps = load_steps(directory)
+    steps = everything = load_steps(directory)
     if not steps:
         raise ValueError(f"{directory} has no recorded steps yet; run at least one step first")
     plans = load_plans(directory)
@@ -104,7 +104,7 @@ def render(
     text = _table(measured, summary)
     files = {"trace": target / "trace.json", "html": target / "timeline.html"}
     with files["trace"].open("w") as f:
-        json.dump(chrome_trace(steps[-CHROME_STEPS:]), f)
+        json.dump(chrome_trace(everything[-CHROME_STEPS:]), f)  # every kind of step
     plan = plans.get(chosen.plan)
     lines = text.splitlines()[:1]
     if plan is not None:

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 from statistics import mean
 
-from ..schedule import Action, Costs, Kind, Plan, Simulation, simulate
+from ..schedule import Action, Costs, Kind, Plan, Simulation, simulate, stage_owners
+from ..schedule.two_bw import simulate_window
 
 __all__: list[str] = []
 
@@ -17,6 +18,26 @@ Event = tuple[str, float, float]
 given to :meth:`~asyncpipe.AsyncPipe.trace_span`; seconds since the step's origin."""
 
 WAIT, SYNC = "wait", "sync"
+
+STREAM_BATCHES = 3
+"""A traced 2BW step is a window of the 2BW stream of this many mini-batches: its plan in the
+trace, which the simulated ideal cuts the same window from."""
+WINDOWS = {"2bw-first": 0, "2bw": 1, "2bw-drain": STREAM_BATCHES}
+"""The 2BW windows a step's plan key names (``"8/2bw"``: a window after another, with 8
+micro-batches), and their index in the stream of ``STREAM_BATCHES`` mini-batches."""
+
+
+def stream_window(key: str) -> tuple[int, int] | None:
+    """(micro-batches, window) of a 2BW step's plan key, or None for a step that runs its whole
+    plan.
+
+    Example:
+        >>> stream_window("8/2bw"), stream_window("8/2bw-drain"), stream_window("8/train")
+        ((8, 1), (8, 3), None)
+    """
+    count, _, name = key.partition("/")
+    window = WINDOWS.get(name)
+    return None if window is None or not count.isdigit() else (int(count), window)
 
 
 @lru_cache(maxsize=4096)
@@ -108,8 +129,9 @@ class StepTrace:
         busy = {rank: r.total("compute") for rank, r in self.ranks.items()}
         return Simulation(self.makespan, busy, timeline)
 
-    def costs(self) -> Costs:
-        """Mean measured seconds of forward, backward and weight gradient, per stage."""
+    def costs(self, stages: Iterable[int] = ()) -> Costs:
+        """Mean measured seconds of forward, backward and weight gradient, per stage (0 for
+        what this step did not run, for every stage it ran and every one of ``stages``)."""
         spans: dict[tuple[Kind, int], list[float]] = {}
         for r in self.ranks.values():
             for name, start, end in r.events:
@@ -120,7 +142,7 @@ class StepTrace:
         def per(kind: Kind) -> dict[int, float]:
             return {stage: mean(v) for (k, stage), v in spans.items() if k is kind}
 
-        stages = {stage for _, stage in spans}
+        stages = {stage for _, stage in spans} | set(stages)
         forward, backward, weight = per(Kind.FORWARD), per(Kind.BACKWARD), per(Kind.WEIGHT)
         return Costs(
             forward={s: forward.get(s, 0.0) for s in stages},
@@ -130,8 +152,21 @@ class StepTrace:
 
     def ideal(self, plan: Plan) -> Simulation:
         """``plan`` (this step's lowered plan) simulated with this step's measured compute
-        costs and free messages: the schedule's limit for this run."""
-        return simulate(plan, self.costs())
+        costs and free messages: the schedule's limit for this run. For a 2BW step, ``plan``
+        is the stream it is a window of, and the ideal is that window of its simulation,
+        numbered as the step's own actions."""
+        window = stream_window(self.plan)
+        if window is None:
+            return simulate(plan, self.costs())
+        numbers = [
+            Action.parse(name).microbatch
+            for r in self.ranks.values()
+            for name, _, _ in r.events
+            if kind_of(name) == "compute"
+        ]
+        first = min(numbers, default=None)
+        costs = self.costs(stage_owners(plan))  # a window may not run every stage (the drain)
+        return simulate_window(plan, costs, *window, STREAM_BATCHES, first=first)
 
     def to_json(self) -> str:
         ranks = {

@@ -29,7 +29,8 @@ class TraceWriter:
     - TensorBoard event files (``tensorboard --logdir runs``): per step ``train/loss``,
       ``train/step_seconds``, ``train/samples_per_second``, ``pipeline/bubble_fraction``,
       ``idle_fraction/rank<r>`` and ``peak_memory_mib/rank<r>``; every ``every`` steps a
-      ``timeline`` image (the measured step above the simulated ideal of the same plan) with
+      ``timeline`` image (the measured step above the simulated ideal of the same plan, or of
+      the same window of the stream for a 2BW step) with
       ``pipeline/ideal_bubble_fraction`` and ``pipeline/ideal_step_seconds``; the configuration
       as text (``config``); inference steps (``pipe(x)`` under ``no_grad`` or ``eval()``) only
       get ``eval/step_seconds``, ``eval/samples_per_second`` and ``eval/bubble_fraction``;

@@ -68,10 +68,17 @@ class Transport(abc.ABC):
         """Release the buffers of the messages sent to ``dst`` on ``channel`` for ``slot``,
         which the caller knows were taken (e.g. the gradient of that micro-batch came back)."""
 
+    def defer(self, dst: int, channel: int, slot: int) -> None:  # noqa: B027
+        """Leave the sends started so far to ``dst`` on ``channel`` for ``slot`` out of the
+        next :meth:`flush`; the flush after it waits for them. For a message the receiver
+        takes only after it may have waited for this rank (e.g. in its next step): a flush
+        before then might wait forever for a transport that needs the receiver to take it."""
+
     @abc.abstractmethod
     def flush(self, timeout: float) -> None:
         """Wait, at most ``timeout`` s in all, until every send started so far has been taken
-        by its receiver; raise TransportTimeout if some were not."""
+        by its receiver (but those :meth:`defer` put off since the last flush); raise
+        TransportTimeout if some were not."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources (pending messages are dropped)."""

@@ -349,6 +349,9 @@ class P2PTransport(Transport):
         self.capacity: dict[tuple[int, int, int], int] = {}
         # sends not yet known to be taken, by (peer, channel, slot); buffers live until then
         self._pending: dict[tuple[int, int, int], list[tuple[dist.Work | None, Tensor]]] = {}
+        # sends put off by defer() until the flush after the next one
+        self._deferred: list[tuple[dist.Work | None, Tensor]] = []
+        self._overdue: list[tuple[dist.Work | None, Tensor]] = []
 
     def group_to(self, dst: int) -> dist.ProcessGroup | None:
         """The group of messages from this rank to pipeline rank ``dst``."""
@@ -398,9 +401,14 @@ class P2PTransport(Transport):
         sends = self._pending.pop((dst, channel, slot), [])
         self._wait_all(sends, timeout)
 
+    def defer(self, dst: int, channel: int, slot: int) -> None:
+        self._deferred += self._pending.pop((dst, channel, slot), [])
+
     def flush(self, timeout: float) -> None:
         pending, self._pending = self._pending, {}
-        self._wait_all([send for sends in pending.values() for send in sends], timeout)
+        sends = self._overdue + [send for group in pending.values() for send in group]
+        self._overdue, self._deferred = self._deferred, []
+        self._wait_all(sends, timeout)
 
     def _wait_all(self, sends: list[tuple[dist.Work | None, Tensor]], timeout: float) -> None:
         deadline = time.monotonic() + timeout
