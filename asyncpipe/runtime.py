@@ -34,9 +34,14 @@ __all__: list[str] = []
 _KINDS = list(Kind)
 _OK, _FAILED, _RELAYED = 0.0, 1.0, 2.0
 _NEWS_SECONDS = 2.0  # how long a failed rank waits for its failure notices to be taken
+# Channels of the messages beside a plan's, one each: two uses sharing a channel would take
+# each other's messages (a receive posted ahead for one matches the other's message first).
 STATUS_CHANNEL = 1 << 20  # every rank tells every other how its step ended
 EXCHANGE_CHANNEL = STATUS_CHANNEL + 1  # small all-to-all exchanges between steps
+CLOCK_CHANNEL = STATUS_CHANNEL + 2  # tracing: clock offsets, once
 NORM_CHANNEL = STATUS_CHANNEL + 3  # 2BW: each rank's part of the norm of the gradient it applies
+TRACE_CHANNEL = STATUS_CHANNEL + 4  # tracing: each step's events, to rank 0
+CHECKPOINT_CHANNEL = STATUS_CHANNEL + 5  # checkpoints: saves report to rank 0, which answers
 _PEER_ERRORS = (TransportTimeout, ConnectionError)  # a receive found its peer silent or gone
 
 

@@ -437,3 +437,28 @@ for _ in range(3):
     assert done.returncode == 0, done.stderr
     assert [s.step for s in load_steps(tmp_path)] == [0, 1]  # the last one was on its way
     assert (tmp_path / "trace.json").exists() and (tmp_path / "timeline.html").exists()
+
+
+def test_tracing_and_clipping_share_no_messages(tmp_path: Path) -> None:
+    """Clipping exchanges the norm between ranks after every step while tracing sends each
+    step's events to rank 0: each keeps its own messages (they once shared a channel, and the
+    norm exchange took the trace's messages)."""
+    model = mlp(4)
+    torch.manual_seed(6)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    _, grads = reference(model, x, y, 4, nn.functional.mse_loss)
+    want = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
+
+    def fn(rank: int, transport: Transport) -> list[float]:
+        pipe = AsyncPipe(model, [2, 2], chunks=4, transport=transport, timeout=10, trace=tmp_path)
+        norms = []
+        for _ in range(4):
+            pipe.step(x, y, nn.functional.mse_loss)
+            norms.append(float(pipe.clip_grad_norm_(1e9)))
+            pipe.zero_grad()
+        pipe.close()
+        return norms
+
+    for norms in values(run_threads(fn, 2)):
+        assert norms == pytest.approx([want] * 4, rel=1e-5)
+    assert [s.step for s in load_steps(tmp_path)] == [0, 1, 2, 3]

@@ -31,13 +31,13 @@ import torch
 from torch import Tensor
 
 from ..pipe import AsyncPipe
+from ..runtime import CHECKPOINT_CHANNEL
 from ..transport import Message
 
 __all__: list[str] = []
 
 MANIFEST = "manifest.json"
 FORMAT = 1
-CHANNEL = (1 << 20) + 1  # saves report to rank 0 on this channel, and rank 0 answers on it
 _FILE = re.compile(r"stage(\d+)\.step(\d+)\.pt$")
 
 
@@ -153,14 +153,14 @@ def _exchange(pipe: AsyncPipe, error: str | None) -> str | None:
     transport, timeout = pipe.transport, pipe.timeout
     ok = (torch.zeros(1),)
     if transport.rank != 0:
-        transport.send(0, CHANNEL, Message(0, 1, ok, error=error))
-        answer = transport.recv(0, CHANNEL).wait(timeout)
+        transport.send(0, CHECKPOINT_CHANNEL, Message(0, 1, ok, error=error))
+        answer = transport.recv(0, CHECKPOINT_CHANNEL).wait(timeout)
         transport.flush(timeout)
         return answer.error
     problems = [f"rank 0: {error}"] if error else []
     for peer in range(1, transport.world_size):
         try:
-            message = transport.recv(peer, CHANNEL).wait(timeout)
+            message = transport.recv(peer, CHECKPOINT_CHANNEL).wait(timeout)
         except Exception as e:
             problems.append(f"rank {peer}: no answer ({e})")
             continue
@@ -174,7 +174,8 @@ def _answer(pipe: AsyncPipe, verdict: str | None) -> None:
     transport = pipe.transport
     for peer in range(1, transport.world_size):
         try:
-            transport.send(peer, CHANNEL, Message(0, 1, (torch.zeros(1),), error=verdict))
+            news = Message(0, 1, (torch.zeros(1),), error=verdict)
+            transport.send(peer, CHECKPOINT_CHANNEL, news)
         except Exception:  # noqa: S112 - a rank that is gone learns nothing, and needs nothing
             continue
     transport.flush(pipe.timeout)

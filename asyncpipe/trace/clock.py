@@ -13,11 +13,11 @@ import time
 
 import torch
 
+from ..runtime import CLOCK_CHANNEL
 from ..transport import Message, Transport
 
 __all__: list[str] = []
 
-CLOCK_CHANNEL = (1 << 20) + 2
 ROUNDS = 8
 
 

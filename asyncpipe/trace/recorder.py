@@ -32,6 +32,7 @@ import torch
 from torch.autograd.profiler import record_function
 
 from ..failure import StepReport
+from ..runtime import TRACE_CHANNEL
 from ..schedule import Plan, forward_only, lower, two_bw
 from ..transport import Message, PendingRecv, Transport
 from .clock import clock_offset
@@ -40,7 +41,6 @@ from .writer import TraceWriter
 
 __all__: list[str] = []
 
-TRACE_CHANNEL = (1 << 20) + 1
 _POLL = 0.25  # seconds between the writer thread's batches
 
 
