@@ -178,12 +178,7 @@ class SpreadNorm:
                     f"it is stuck or gone, or it called step() without max_norm (pass the same "
                     f"max_norm on every rank)"
                 ) from e
-            tensor = message.tensors[0] if message.tensors else None
-            if message.error is not None or tensor is None:
-                raise RuntimeError(
-                    f"rank {peer} sent no part of the gradient norm: {message.error}"
-                )
-            parts.append(float(tensor.item()))
+            parts += message.values(peer, "part of the gradient norm")
         total = total_norm(parts)
         scale_to(grads, max_norm, total)
         return total

@@ -317,8 +317,7 @@ class Runtime(Compute):
         for peer, pending in self._post_statuses(now=True).items():
             try:
                 message = pending.wait(max(deadline - time.monotonic(), 0.001))
-                if message.error is not None or not message.tensors:
-                    raise RuntimeError(f"it sent no status: {message.error}")
+                table.append(message.values(peer, "status"))
             except Exception as e:
                 stage = self.owners.index(peer)
                 raise StageFailure(
@@ -331,9 +330,6 @@ class Runtime(Compute):
                     microbatch=-1,
                     action="",
                 ) from e
-            tensor = message.tensors[0]
-            assert tensor is not None
-            table.append(tensor.cpu().tolist())
         broken = [row for row in table if row[1] == _FAILED] or [r for r in table if r[1] != _OK]
         if broken:
             stage, mb, rank, code = (int(v) for v in broken[0][2:5] + broken[0][8:9])
@@ -398,11 +394,7 @@ class Runtime(Compute):
         table: list[list[float]] = [[] for _ in range(self.transport.world_size)]
         table[self.rank] = [float(v) for v in values]
         for peer, receive in pending.items():
-            message = receive.wait(self.timeout)
-            tensor = message.tensors[0] if message.tensors else None
-            if message.error is not None or tensor is None:
-                raise RuntimeError(f"rank {peer} sent no values: {message.error}")
-            table[peer] = tensor.cpu().tolist()
+            table[peer] = receive.wait(self.timeout).values(peer, "values")
         self.transport.flush(self.timeout)
         return table
 

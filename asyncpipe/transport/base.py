@@ -27,6 +27,15 @@ class Message:
     tensors: tuple[Tensor | None, ...]
     error: str | None = None
 
+    def values(self, sender: int, what: str) -> list[float]:
+        """The numbers of a one-tensor message (end-of-step news, values ranks exchange); a
+        RuntimeError naming ``sender`` and ``what`` if it brought an error or no tensor."""
+        tensor = self.tensors[0] if self.tensors else None
+        if self.error is not None or tensor is None:
+            raise RuntimeError(f"rank {sender} sent no {what}: {self.error}")
+        values: list[float] = tensor.cpu().reshape(-1).tolist()
+        return values
+
 
 class PendingRecv(abc.ABC):
     """A receive posted ahead of time; :meth:`wait` returns its message."""
