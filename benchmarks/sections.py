@@ -115,26 +115,20 @@ def machine() -> str:
     )
 
 
+def _git(*args: str) -> str:
+    """What ``git ARGS`` prints in the repository (raises if it cannot run)."""
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        ["git", *args], cwd=root, capture_output=True, text=True, timeout=10, check=True
+    )
+    return done.stdout.strip()
+
+
 def revision() -> str:
     """The repository's commit, and whether asyncpipe/ had uncommitted changes."""
-    root = Path(__file__).resolve().parent.parent
     try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "asyncpipe"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
+        head = _git("rev-parse", "--short", "HEAD")
+        dirty = _git("status", "--porcelain", "--", "asyncpipe")
     except (OSError, subprocess.SubprocessError):
         return "unknown (not a git checkout)"
     return f"{head}" + (" + uncommitted changes in asyncpipe/" if dirty else "")
