@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +19,8 @@ __all__ = [
     "SHAPES",
     "BusyClock",
     "LayerCosts",
+    "PACER",
+    "Pacer",
     "RssProbe",
     "SleepAffine",
     "StageCosts",
@@ -107,9 +109,96 @@ RSS = RssProbe()
 """The process-wide RSS probe the layers sample (when enabled)."""
 
 
-def _sleep(seconds: float) -> None:
+class Pacer:
+    """Paces the reference layers: each part of a layer costs F in all, not F plus overheads.
+
+    ``time.sleep`` overshoots by 0.1-0.3 ms per call on this kind of virtual machine, and a
+    layer's own Python work (the real op, autograd's bookkeeping) adds as much again, so a layer
+    that did its op and then slept F would cost ~8 % more than F, and every schedule would look
+    that much slower than its ideal for reasons that have nothing to do with the pipeline. So:
+
+    - a part sleeps *until* a deadline (its start plus F: its real op is inside), waking
+      ``early`` seconds ahead of it, ``early`` following the overshoot measured after each sleep
+      (a step of ``gain`` of the error, within ``[0, limit]``);
+    - a forward's deadline comes ``tail`` before its end: the time the forward takes after its
+      sleep (autograd wrapping the output, the sum of the value and the zero term), learnt the
+      same way (:meth:`learn_tail`);
+    - in one backward pass (one autograd graph task), a part counts its F from the previous
+      part's deadline, so autograd's hand-over between two parts (up to ``cap`` seconds)
+      overlaps the simulated work as it would overlap an accelerator's kernels. The first part
+      of a pass counts from its own start: the cost of entering a backward stays in.
+
+    Nothing spins: the CPU stays free for the other stages. ``clock``, ``sleep`` and
+    ``graph_task`` are ``time.perf_counter``, ``time.sleep`` and autograd's current graph task
+    id (-1 outside a backward), replaceable in tests.
+    """
+
+    def __init__(
+        self,
+        gain: float = 0.2,
+        limit: float = 0.002,
+        cap: float = 0.0005,
+        clock: Callable[[], float] = time.perf_counter,
+        sleep: Callable[[float], None] = time.sleep,
+        graph_task: Callable[[], int] = torch._C._current_graph_task_id,
+    ) -> None:
+        self.gain, self.limit, self.cap = gain, limit, cap
+        self.clock, self.sleep, self.graph_task = clock, sleep, graph_task
+        self.early = 0.0
+        """Seconds :meth:`until` wakes ahead of its deadline."""
+        self.tail = 0.0
+        """Seconds a forward takes after its sleep (see :meth:`learn_tail`)."""
+        self.woke = 0.0
+        """When the last :meth:`until` returned."""
+        self.task = -2
+        """The graph task of the last backward part (-2: none, or a forward came since)."""
+        self.deadline = 0.0
+        """The deadline of the last backward part."""
+
+    def until(self, deadline: float) -> None:
+        """Sleep until ``deadline`` (a ``clock`` reading)."""
+        left = deadline - self.clock() - self.early
+        if left > 0:
+            self.sleep(left)
+            over = self.clock() - deadline
+            self.early = min(max(self.early + self.gain * over, 0.0), self.limit)
+        self.woke = self.clock()
+
+    def forward(self, seconds: float, start: float) -> None:
+        """The simulated work of a forward that began at ``start``."""
+        self.until(start + seconds - self.tail)
+
+    def learn_tail(self, seconds: float) -> None:
+        """A forward took ``seconds`` after its sleep; it also breaks a chain of backward parts
+        (a checkpointed forward recomputed inside a backward pass)."""
+        self.tail = min(max(self.tail + self.gain * (seconds - self.tail), 0.0), self.limit)
+        self.task = -2
+
+    def backward(self, seconds: float, start: float) -> None:
+        """The simulated work of a backward part that began at ``start``."""
+        task = self.graph_task()
+        base = start
+        if task >= 0 and task == self.task:
+            base = max(self.deadline, start - self.cap)
+        self.task = task
+        self.deadline = base + seconds
+        self.until(self.deadline)
+
+
+PACER = Pacer()
+"""The process-wide pacer of every :class:`SleepAffine` layer."""
+
+
+def _sleep(seconds: float, start: float) -> None:
+    """Simulated work of a forward that began at ``start`` (a ``time.perf_counter()``)."""
     BUSY.slept += seconds
-    time.sleep(seconds)
+    PACER.forward(seconds, start)
+
+
+def _sleep_backward(seconds: float, start: float) -> None:
+    """Simulated work of a backward part that began at ``start``."""
+    BUSY.slept += seconds
+    PACER.backward(seconds, start)
 
 
 class _InputPart(torch.autograd.Function):
@@ -129,28 +218,28 @@ class _InputPart(torch.autograd.Function):
         bias: torch.Tensor,
         anchor: torch.Tensor,
         f_s: float,
+        start: float,
     ) -> torch.Tensor:
-        start = time.perf_counter()
         RSS.sample()
-        _sleep(f_s)
         y = torch.addcmul(bias, x, weight)
         ctx.save_for_backward(weight)
         ctx.f_s = f_s
         RSS.sample()
+        _sleep(f_s, start)  # F from the layer's start: the layer's forward costs F in all
         BUSY.add(time.perf_counter() - start)
         return y
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None, None]:
         start = time.perf_counter()
         RSS.sample()
         (weight,) = ctx.saved_tensors
-        # Input gradient: F seconds of "accelerator work" plus the real product.
-        _sleep(ctx.f_s)
+        # Input gradient: the real product, then "accelerator work" up to F in all.
         grad_x = grad * weight
         RSS.sample()
+        _sleep_backward(ctx.f_s, start)
         BUSY.add(time.perf_counter() - start)
-        return grad_x, None, None, None, None
+        return grad_x, None, None, None, None, None
 
 
 class _WeightPart(torch.autograd.Function):
@@ -173,12 +262,12 @@ class _WeightPart(torch.autograd.Function):
         start = time.perf_counter()
         RSS.sample()
         (x,) = ctx.saved_tensors
-        # Weight gradient: F seconds plus the real reduction over every leading dim.
-        _sleep(ctx.f_s)
+        # Weight gradient: the real reduction over every leading dim, then up to F in all.
         flat_grad = grad.reshape(-1, grad.shape[-1])
         grad_w = (flat_grad * x.reshape(-1, x.shape[-1])).sum(0)
         grad_b = flat_grad.sum(0)
         RSS.sample()
+        _sleep_backward(ctx.f_s, start)
         BUSY.add(time.perf_counter() - start)
         return None, grad_w, grad_b, None
 
@@ -186,9 +275,10 @@ class _WeightPart(torch.autograd.Function):
 class SleepAffine(nn.Module):
     """One reference layer: an element-wise affine map over the last dim, plus simulated work.
 
-    Forward sleeps ``f_ms`` milliseconds; backward sleeps ``f_ms`` for the input gradient and
-    ``f_ms`` for the weight gradient, so one layer costs ``3 * f_ms`` per micro-batch. Sleep
-    stands in for accelerator work: it frees the CPU, so four stages share two cores fairly.
+    Forward costs ``f_ms`` milliseconds; backward ``f_ms`` for the input gradient and ``f_ms``
+    for the weight gradient, so one layer costs ``3 * f_ms`` per micro-batch. Each part does
+    its real op, then sleeps until ``f_ms`` after it began (see :class:`Pacer`). Sleep stands
+    in for accelerator work: it frees the CPU, so four stages share two cores fairly.
 
     The value is computed by one autograd node and the weight gradient by another (a zero-valued
     term added to it), so a backward split into input gradients (``torch.autograd.grad`` with
@@ -205,13 +295,16 @@ class SleepAffine(nn.Module):
         """Not a parameter: see :class:`_InputPart`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        value: torch.Tensor = _InputPart.apply(  # type: ignore[no-untyped-call]
-            x, self.weight.detach(), self.bias.detach(), self.anchor, self.f_s
-        )
+        start = time.perf_counter()
         zero: torch.Tensor = _WeightPart.apply(  # type: ignore[no-untyped-call]
             x.detach(), self.weight, self.bias, self.f_s
         )
-        return value + zero
+        value: torch.Tensor = _InputPart.apply(  # type: ignore[no-untyped-call]
+            x, self.weight.detach(), self.bias.detach(), self.anchor, self.f_s, start
+        )
+        out = value + zero
+        PACER.learn_tail(time.perf_counter() - PACER.woke)
+        return out
 
     def extra_repr(self) -> str:
         return f"features={self.weight.numel()}, f_ms={self.f_s * 1000:g}"
