@@ -46,6 +46,7 @@ def check_arguments(
     checkpoint: object,
     schedule: object,
     virtual_stages: object = 1,
+    lookahead: object = 1,
 ) -> list[Layer]:
     """Every problem with the constructor's arguments at once, as one ValueError/TypeError."""
     problems: list[str] = []
@@ -134,6 +135,17 @@ def check_arguments(
         problems.append(
             f"balance needs virtual_stages ({virtual_stages}) entries per rank, a multiple of "
             f"{virtual_stages} (entries: {len(balance)})"
+        )
+        kinds.append(ValueError)
+    if not _positive_int(lookahead):
+        problems.append(
+            f"lookahead must be a positive int, the micro-batches each rank's forwards run ahead "
+            f"of the next rank's under schedule='2bw' (got {lookahead!r})"
+        )
+        kinds.append(ValueError)
+    elif lookahead != 1 and schedule != "2bw":
+        problems.append(
+            f"lookahead={lookahead} needs schedule='2bw' (got {schedule!r}); pass lookahead=1"
         )
         kinds.append(ValueError)
     if problems:

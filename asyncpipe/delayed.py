@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from .arguments import check_step
 from .batchnorm import commit_all
 from .failure import StageFailure, StepReport
+from .trace.run import window_name
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -31,6 +32,7 @@ class DelayedUpdates:
     _broken: StageFailure | None
     last_step: StepReport | None
     grad_norm: float
+    lookahead: int
     stage: int
     deferred_batch_norm: bool
     layers: nn.ModuleList
@@ -63,7 +65,7 @@ class DelayedUpdates:
             check_step(loss_fn, optimizer, max_norm)
             return make(microbatches)
 
-        window = "2bw" if self._stream.in_flight else "2bw-first"
+        window = window_name("steady" if self._stream.in_flight else "first", self.lookahead)
         with self._breaking():
             if self._recorder is not None:
                 self._recorder.begin()
@@ -92,7 +94,7 @@ class DelayedUpdates:
         self._guard()
         with self._breaking():
             loss, report = self._stream.drain()
-        self._windowed(report, None, loss, "2bw-drain")
+        self._windowed(report, None, loss, window_name("drain", self.lookahead))
         return loss
 
     @contextlib.contextmanager

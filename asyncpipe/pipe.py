@@ -58,10 +58,18 @@ class AsyncPipe(DelayedUpdates, ManualBackward, nn.Module):
         checkpoint: ``"always"``, ``"except_last"`` (default) or ``"never"``: which
             micro-batches recompute their activations in backward instead of keeping them.
         schedule: ``"gpipe"`` (fill-drain, the default), ``"1f1b"``, ``"interleaved"`` (with
-            ``virtual_stages`` > 1), ``"zero_bubble"``, or a plan ``{rank: [Action, ...]}``
-            built by hand (validated here; its micro-batch count must match each batch's).
+            ``virtual_stages`` > 1), ``"zero_bubble"``, ``"2bw"`` (PipeDream-2BW: no flush
+            between mini-batches, each update one step late; see :doc:`/2bw`), or a plan
+            ``{rank: [Action, ...]}`` built by hand (validated here; its micro-batch count must
+            match each batch's).
         virtual_stages: model chunks per rank for ``schedule="interleaved"``; ``balance`` then
             has ``ranks * virtual_stages`` entries and entry ``k`` runs on rank ``k % ranks``.
+        lookahead: for ``schedule="2bw"``: how many micro-batches each rank's forwards run
+            ahead of the next rank's. 1 (default) keeps 1F1B's activation memory (rank ``r``
+            holds ``stages - r`` micro-batches); 2 lets each rank work on while a message
+            travels, at up to ``2 * (stages - r) - 1`` micro-batches, for links whose latency
+            is not small against a micro-batch's compute. Needs ``chunks >= lookahead *
+            (stages - 1)``.
         deferred_batch_norm: replace this rank's BatchNorm layers by
             :class:`~asyncpipe.DeferredBatchNorm`: each micro-batch is normalised by its own
             statistics, the running statistics are updated once per mini-batch with those of the
@@ -112,6 +120,7 @@ class AsyncPipe(DelayedUpdates, ManualBackward, nn.Module):
         *,
         schedule: str | Plan = "gpipe",
         virtual_stages: int = 1,
+        lookahead: int = 1,
         deferred_batch_norm: bool = False,
         transport: str | Transport = "p2p",
         timeout: float = 300.0,
@@ -128,7 +137,9 @@ class AsyncPipe(DelayedUpdates, ManualBackward, nn.Module):
         super().__init__()
         if isinstance(balance, str):
             balance = auto_balance(balance, module, sample, transport, virtual_stages)
-        layers = check_arguments(module, balance, chunks, checkpoint, schedule, virtual_stages)
+        layers = check_arguments(
+            module, balance, chunks, checkpoint, schedule, virtual_stages, lookahead
+        )
         check_options(
             transport=transport,
             stages=len(balance),
@@ -167,6 +178,8 @@ class AsyncPipe(DelayedUpdates, ManualBackward, nn.Module):
         self.chunks = int(chunks)
         self.checkpoint = checkpoint
         self.schedule = schedule
+        self.lookahead = lookahead
+        """Micro-batches each rank's forwards run ahead of the next rank's (``"2bw"``)."""
         self.timeout = float(timeout)
         self.autocast = autocast
         if reduce_activations and autocast is None:
@@ -254,6 +267,7 @@ class AsyncPipe(DelayedUpdates, ManualBackward, nn.Module):
                 "chunks": self.chunks,
                 "schedule": schedule if isinstance(schedule, str) else "custom plan",
                 "virtual_stages": virtual_stages,
+                "lookahead": lookahead,
                 "checkpoint": checkpoint,
                 "transport": type(transport).__name__
                 + (f" ({dist.get_backend()})" if dist.is_initialized() else ""),
@@ -266,7 +280,9 @@ class AsyncPipe(DelayedUpdates, ManualBackward, nn.Module):
         self._stream: Stream | None = None
         if schedule == "2bw":
             check_two_bw_options(self, shared_weights)
-            self._stream = Stream(self._runtime, list(self.parameters()), len(segments), chunks)
+            self._stream = Stream(
+                self._runtime, list(self.parameters()), len(segments), chunks, lookahead
+            )
         self._last_segment = len(segments) - 1
         self._first_rank = segments[0].stage
         self._last_rank = segments[-1].stage

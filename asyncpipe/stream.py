@@ -45,15 +45,24 @@ class Stream:
         params: this rank's parameters.
         stages: segments of the pipeline.
         microbatches: micro-batches of every mini-batch.
+        lookahead: micro-batches each rank's forwards run ahead of the next rank's (see
+            :func:`~asyncpipe.schedule.two_bw`).
     """
 
     def __init__(
-        self, runtime: Runtime, params: list[nn.Parameter], stages: int, microbatches: int
+        self,
+        runtime: Runtime,
+        params: list[nn.Parameter],
+        stages: int,
+        microbatches: int,
+        lookahead: int = 1,
     ) -> None:
         self.runtime = runtime
         self.microbatches = microbatches
-        plan = validate(lower(two_bw(stages, microbatches, batches=2), runtime.routes.edges()))
-        cut = windows(plan, stages, microbatches, batches=2)
+        self.lookahead = lookahead
+        plan = two_bw(stages, microbatches, batches=2, lookahead=lookahead)
+        plan = validate(lower(plan, runtime.routes.edges()))
+        cut = windows(plan, stages, microbatches, batches=2, lookahead=lookahead)
         first, steady, drain = cut[runtime.rank]
         self.windows = {"first": first, "steady": steady, "drain": drain}
         self._crossing = {
@@ -394,11 +403,14 @@ def _crossing(
 def check_two_bw_options(pipe: Any, shared_weights: object) -> None:
     """Every option that ``schedule="2bw"`` cannot run with, at once, as one ValueError."""
     problems = []
-    ranks = pipe.num_stages
-    if pipe.chunks < ranks - 1:
+    ranks, lookahead = pipe.num_stages, pipe.lookahead
+    need = lookahead * (ranks - 1)
+    if pipe.chunks < need:
+        rule = "stages - 1" if lookahead == 1 else f"lookahead * (stages - 1) = {need}"
         problems.append(
-            f"schedule '2bw' needs chunks >= stages - 1 so that a rank holds at most two weight "
-            f"versions (stages: {ranks}, chunks: {pipe.chunks}); pass chunks={max(ranks - 1, 1)}"
+            f"schedule '2bw' needs chunks >= {rule} so that a rank holds at most two weight "
+            f"versions (stages: {ranks}, chunks: {pipe.chunks}); pass chunks={max(need, 1)}"
+            + (" or a smaller lookahead" if lookahead > 1 else "")
         )
     if pipe.data_parallel_size != 1:
         problems.append("schedule '2bw' runs one pipeline; pass data_parallel_size=1")

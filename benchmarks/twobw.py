@@ -28,7 +28,14 @@ from .workload import BUSY, build_model, make_batch
 
 __all__ = ["main"]
 
-SCHEDULES = ("1f1b", "2bw")
+SCHEDULES = ("1f1b", "2bw", "2bw-lookahead2")
+"""What a run measures: ``"2bw-lookahead2"`` is ``schedule="2bw", lookahead=2``."""
+
+
+def _schedule(name: str) -> tuple[str, int]:
+    """(schedule, lookahead) of a row's name."""
+    base, _, lookahead = name.partition("-lookahead")
+    return base, int(lookahead or 1)
 
 
 def _loss(output: object, target: object) -> torch.Tensor:
@@ -47,8 +54,14 @@ def worker(args: argparse.Namespace) -> int:
     for schedule in args.schedules.split(","):
         model = build_model(args.f_ms, sum(balance))
         x, y = make_batch(args.chunks, args.micro_batch, args.shape)
+        name, lookahead = _schedule(schedule)
         pipe = asyncpipe.AsyncPipe(
-            model, balance, chunks=args.chunks, checkpoint="never", schedule=schedule
+            model,
+            balance,
+            chunks=args.chunks,
+            checkpoint="never",
+            schedule=name,
+            lookahead=lookahead,
         )
         optimizer = torch.optim.SGD(pipe.parameters(), lr=1e-6)
         for _ in range(args.warmup):
@@ -151,9 +164,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{s} / limit": [rows[i]["step_s"] / limit for rows in runs]
             for i, s in enumerate(schedules)
         }
-        if "1f1b" in schedules and len(schedules) > 1:
+        if "1f1b" in schedules:
             one = schedules.index("1f1b")
-            spread[f"{last} vs 1f1b"] = [rows[-1]["step_s"] / rows[one]["step_s"] for rows in runs]
+            for i, s in enumerate(schedules):
+                if s != "1f1b":
+                    spread[f"{s} vs 1f1b"] = [
+                        rows[i]["step_s"] / rows[one]["step_s"] for rows in runs
+                    ]
         notes.append(
             f"{len(runs)} runs, each in new processes; the table is the run with the median "
             f"{last} step. Every run: "

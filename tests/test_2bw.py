@@ -94,10 +94,12 @@ def run_two_bw(
     steps: int,
     flush_after: set[int],
     max_norm: float | None = None,
+    lookahead: int = 1,
+    rows: int = 8,
 ) -> tuple[list[list[float]], list[AsyncPipe]]:
     """Every rank's returned losses (with ``max_norm``: then every ``grad_norm`` after them)
     and pipes."""
-    plain, data = model(), batches(steps)
+    plain, data = model(), batches(steps, rows)
 
     def fn(rank: int, transport: Transport) -> tuple[list[float], AsyncPipe]:
         pipe = AsyncPipe(
@@ -106,6 +108,7 @@ def run_two_bw(
             chunks=chunks,
             checkpoint=policy,
             schedule="2bw",
+            lookahead=lookahead,
             transport=transport,
             timeout=20,
         )
@@ -147,15 +150,19 @@ def test_two_bw_is_1f1b_over_the_stream_of_mini_batches(stages: int, chunks: int
     validate(lower(plan))
 
 
-@pytest.mark.parametrize(("stages", "chunks"), [(2, 2), (4, 4), (4, 8)])
-def test_windows_split_each_row_at_mini_batch_forwards(stages: int, chunks: int) -> None:
+@pytest.mark.parametrize(
+    ("stages", "chunks", "lookahead"), [(2, 2, 1), (4, 4, 1), (4, 8, 1), (4, 6, 2), (3, 8, 3)]
+)
+def test_windows_split_each_row_at_mini_batch_forwards(
+    stages: int, chunks: int, lookahead: int
+) -> None:
     batches_ = 3
-    plan = lower(two_bw(stages, chunks, batches=batches_))
-    cut = windows(plan, stages, chunks, batches_)
+    plan = lower(two_bw(stages, chunks, batches=batches_, lookahead=lookahead))
+    cut = windows(plan, stages, chunks, batches_, lookahead)
     for rank, row in plan.items():
         parts = cut[rank]
         assert [a for part in parts for a in part] == row
-        w = stages - rank - 1
+        w = lookahead * (stages - rank - 1)
         for t, part in enumerate(parts[:batches_]):
             forwards = [a.microbatch for a in part if a.kind.value == "F"]
             backwards = [a.microbatch for a in part if a.kind.value == "B"]
@@ -177,6 +184,37 @@ def test_the_simulator_shows_no_flush_between_mini_batches() -> None:
 def test_two_bw_needs_enough_micro_batches() -> None:
     with pytest.raises(ValueError, match="chunks >= 3"):
         two_bw(4, 2)
+    with pytest.raises(ValueError, match="chunks >= 6 or a smaller lookahead"):
+        two_bw(4, 5, lookahead=2)
+    with pytest.raises(ValueError, match="lookahead must be a positive int"):
+        two_bw(4, 8, lookahead=0)
+
+
+def test_lookahead_runs_each_rank_that_many_forwards_ahead_of_the_next() -> None:
+    plan = two_bw(4, 8, batches=3, lookahead=2)
+    for rank, row in plan.items():
+        first_backward = next(n for n, a in enumerate(row) if a is not None and a.kind.value == "B")
+        assert first_backward == 2 * (4 - rank - 1) + 1
+    validate(lower(plan))
+    peak = simulate(plan, Costs(forward=1, backward=2)).peak_activations
+    assert peak == {0: 7, 1: 5, 2: 3, 3: 1}  # 2 * (stages - r) - 1, against 1F1B's stages - r
+    assert simulate(two_bw(4, 8, batches=3), Costs()).peak_activations == {0: 4, 1: 3, 2: 2, 3: 1}
+
+
+def _steady_step(lookahead: int, latency: float) -> float:
+    """The time one more mini-batch adds to a long stream: the steady-state step."""
+    costs = Costs(forward=1, backward=2, send=latency)
+    longer = simulate(lower(two_bw(4, 8, batches=7, lookahead=lookahead)), costs).makespan
+    shorter = simulate(lower(two_bw(4, 8, batches=6, lookahead=lookahead)), costs).makespan
+    return longer - shorter
+
+
+def test_a_lookahead_of_two_hides_message_latency_in_the_steady_state() -> None:
+    limit = 8 * 3  # a stage's compute of one mini-batch
+    assert _steady_step(1, 0.0) == _steady_step(2, 0.0) == limit
+    # 1F1B's spacing waits for each message on the way there and back
+    assert _steady_step(1, 0.5) == pytest.approx(limit + 8 * 2 * 3 * 0.5 / 4)
+    assert _steady_step(2, 0.5) == limit  # a micro-batch of work covers the round trip
 
 
 # ----- training against the reference ------------------------------------------------------
@@ -191,6 +229,34 @@ def test_2bw_matches_the_delayed_update_reference(
     got, pipes = run_two_bw(balance, chunks, policy, steps, flush_after={steps - 1})
     want, plain = delayed_reference(model(), batches(steps), chunks, {steps - 1})
     assert_same(pipes, plain, got, want)
+
+
+@pytest.mark.parametrize("policy", ["never", "except_last"])
+def test_2bw_with_lookahead_matches_the_same_delayed_update_reference(policy: str) -> None:
+    steps = 5
+    got, pipes = run_two_bw(
+        [2, 2, 2, 2], 6, policy, steps, flush_after={2, 4}, lookahead=2, rows=12
+    )
+    want, plain = delayed_reference(model(), batches(steps, rows=12), 6, {2, 4})
+    assert_same(pipes, plain, got, want)
+
+
+def test_lookahead_is_checked_before_any_message() -> None:
+    with pytest.raises(ValueError, match="lookahead=2 needs schedule='2bw'"):
+        AsyncPipe(model(), [8], chunks=4, schedule="1f1b", lookahead=2)
+    with pytest.raises(ValueError, match="lookahead must be a positive int"):
+        AsyncPipe(model(), [8], chunks=4, schedule="2bw", lookahead=0)
+
+    def fn(rank: int, transport: Transport) -> str:
+        try:
+            AsyncPipe(model(), [2, 2, 2, 2], 4, schedule="2bw", lookahead=2, transport=transport)
+        except ValueError as e:
+            return str(e)
+        return ""
+
+    for text in values(run_threads(fn, 4)):
+        assert "chunks >= lookahead * (stages - 1) = 6" in text
+        assert "pass chunks=6 or a smaller lookahead" in text
 
 
 def test_a_flush_in_the_middle_restarts_the_delayed_rule() -> None:
@@ -330,12 +396,22 @@ def test_options_2bw_cannot_run_with_fail_in_the_constructor() -> None:
 
 
 def _gloo_worker(
-    rank: int, world: int, policy: str, steps: int, max_norm: float | None
+    rank: int,
+    world: int,
+    policy: str,
+    steps: int,
+    max_norm: float | None,
+    chunks: int = 4,
+    lookahead: int = 1,
 ) -> tuple[list[float], dict]:
     torch.set_num_threads(1)
-    pipe = AsyncPipe(model(), [8 // world] * world, chunks=4, checkpoint=policy, schedule="2bw")
+    balance = [8 // world] * world
+    pipe = AsyncPipe(
+        model(), balance, chunks, checkpoint=policy, schedule="2bw", lookahead=lookahead
+    )
     opt = adam(pipe.parameters())
-    out = [pipe.step(x, y, mse, optimizer=opt, max_norm=max_norm) for x, y in batches(steps)]
+    data = batches(steps, 2 * chunks)
+    out = [pipe.step(x, y, mse, optimizer=opt, max_norm=max_norm) for x, y in data]
     torch.distributed.barrier()  # nothing in flight may wait on a receive across a barrier
     out.append(pipe.flush())
     return out, pipe.state_dict()
@@ -343,17 +419,25 @@ def _gloo_worker(
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("world", "policy", "max_norm"),
-    [(2, "never", None), (4, "except_last", None), (4, "never", 1.0)],
+    ("world", "policy", "max_norm", "chunks", "lookahead"),
+    [
+        (2, "never", None, 4, 1),
+        (4, "except_last", None, 4, 1),
+        (4, "never", 1.0, 4, 1),
+        (4, "except_last", None, 6, 2),
+    ],
 )
 def test_2bw_over_gloo_matches_the_delayed_update_reference(
-    world: int, policy: str, max_norm: float | None
+    world: int, policy: str, max_norm: float | None, chunks: int, lookahead: int
 ) -> None:
     from tests.spawn import run_ranks
 
     steps = 4
-    results = run_ranks(_gloo_worker, world, policy, steps, max_norm, timeout=180)
-    want, plain = delayed_reference(model(), batches(steps), 4, {steps - 1}, max_norm)
+    results = run_ranks(
+        _gloo_worker, world, policy, steps, max_norm, chunks, lookahead, timeout=180
+    )
+    data = batches(steps, 2 * chunks)
+    want, plain = delayed_reference(model(), data, chunks, {steps - 1}, max_norm)
     _check_ranks(results, want, plain, rel=1e-5, atol=1e-6)
 
 

@@ -5,7 +5,8 @@ mini-batches form one stream, micro-batch ``i`` of mini-batch ``t`` numbered ``t
 every rank runs 1F1B over that stream. Each call of ``step()`` runs one *window* of the stream
 on every rank: the forwards of its own mini-batch, paired with the backwards that 1F1B puts
 beside them (the last ``w`` micro-batches of the previous mini-batch, then the first ``M - w``
-of this one, ``w = stages - rank - 1``). A final *drain* runs the backwards still owed::
+of this one, ``w = lookahead * (stages - rank - 1)``). A final *drain* runs the backwards
+still owed::
 
     rank 0 of 2, M = 2:   window 0: 0F0 0F1 0B0 | window 1: 0F2 0B1 0F3 0B2 | drain: 0B3
     rank 1 of 2, M = 2:   window 0: 1F0 1B0 1F1 1B1 | window 1: 1F2 1B2 1F3 1B3 | drain: -
@@ -25,26 +26,36 @@ from .simulate import Costs, Simulation, simulate
 __all__: list[str] = []
 
 
-def _warmup(stages: int, stage: int) -> int:
-    return stages - stage - 1
+def _warmup(stages: int, stage: int, lookahead: int = 1) -> int:
+    return lookahead * (stages - stage - 1)
 
 
-def check_two_bw(stages: int, microbatches: int) -> None:
-    """2BW keeps two weight versions only if a mini-batch has at least ``stages - 1``
-    micro-batches (rank 0 owes that many backwards of a mini-batch when the next begins)."""
+def check_two_bw(stages: int, microbatches: int, lookahead: int = 1) -> None:
+    """2BW keeps two weight versions only if a mini-batch has at least ``lookahead * (stages -
+    1)`` micro-batches (rank 0 owes that many backwards of a mini-batch when the next begins).
+    """
     _check_counts(stages, microbatches)
-    if microbatches < stages - 1:
+    if not isinstance(lookahead, int) or isinstance(lookahead, bool) or lookahead < 1:
         raise ValueError(
-            f"schedule '2bw' needs at least stages - 1 micro-batches per mini-batch, so each "
-            f"rank holds at most two weight versions (stages: {stages}, micro-batches: "
-            f"{microbatches}); pass chunks >= {stages - 1}"
+            f"lookahead must be a positive int: how many micro-batches each rank's forwards run "
+            f"ahead of the next rank's (got {lookahead!r}); pass 1 (1F1B's spacing) or 2"
+        )
+    need = lookahead * (stages - 1)
+    if microbatches < need:
+        raise ValueError(
+            f"schedule '2bw' needs at least lookahead * (stages - 1) micro-batches per "
+            f"mini-batch, so each rank holds at most two weight versions (stages: {stages}, "
+            f"lookahead: {lookahead}, micro-batches: {microbatches}); pass chunks >= {need}"
+            + (" or a smaller lookahead" if lookahead > 1 else "")
         )
 
 
-def window_of(stages: int, microbatches: int, stage: int, batches: int) -> dict[Action, int]:
+def window_of(
+    stages: int, microbatches: int, stage: int, batches: int, lookahead: int = 1
+) -> dict[Action, int]:
     """The window of every compute action of ``stage`` in a stream of ``batches`` mini-batches:
     ``t`` for the step of mini-batch ``t``, ``batches`` for the drain."""
-    m, w = microbatches, _warmup(stages, stage)
+    m, w = microbatches, _warmup(stages, stage, lookahead)
     out: dict[Action, int] = {}
     for g in range(batches * m):
         out[Action(stage, Kind.FORWARD, g)] = g // m
@@ -52,24 +63,34 @@ def window_of(stages: int, microbatches: int, stage: int, batches: int) -> dict[
     return out
 
 
-def two_bw(stages: int, microbatches: int, batches: int = 3) -> Plan:
+def two_bw(stages: int, microbatches: int, batches: int = 3, lookahead: int = 1) -> Plan:
     """PipeDream-2BW over ``batches`` mini-batches of ``microbatches`` each, without a flush
     between them: the 1F1B plan of the whole stream, micro-batch ``i`` of mini-batch ``t``
     numbered ``t * microbatches + i``. :func:`windows` cuts it into the part each step runs.
+
+    ``lookahead``: rank ``r`` runs ``lookahead * (stages - r - 1)`` forwards before its first
+    backward, so each rank's forwards run ``lookahead`` micro-batches ahead of the next
+    rank's. 1 is 1F1B's spacing: least activation memory (``stages - r`` micro-batches in
+    flight on rank ``r``), but in the steady state each pair of neighbours waits for every
+    message's latency twice per micro-batch. 2 gives each rank a micro-batch of its own work
+    to do while a message travels (up to ``2 * (stages - r) - 1`` micro-batches in flight).
 
     Example:
         >>> from asyncpipe.schedule import two_bw, format_plan
         >>> print(format_plan(two_bw(2, 2, batches=2)))
         rank 0: 0F0 0F1 0B0 0F2 0B1 0F3 0B2 0B3
         rank 1: 1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3
+        >>> print(format_plan(two_bw(2, 2, batches=2, lookahead=2)))
+        rank 0: 0F0 0F1 0F2 0B0 0F3 0B1 0B2 0B3
+        rank 1: 1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3
     """
-    check_two_bw(stages, microbatches)
+    check_two_bw(stages, microbatches, lookahead)
     if not isinstance(batches, int) or isinstance(batches, bool) or batches < 1:
         raise ValueError(f"batches must be a positive int (got {batches!r})")
     total = batches * microbatches
     plan: Plan = {}
     for s in range(stages):
-        w = min(_warmup(stages, s), total)
+        w = min(_warmup(stages, s, lookahead), total)
         row: list[Action | None] = [Action(s, Kind.FORWARD, g) for g in range(w)]
         for g in range(w, total):
             row += [Action(s, Kind.FORWARD, g), Action(s, Kind.BACKWARD, g - w)]
@@ -79,11 +100,12 @@ def two_bw(stages: int, microbatches: int, batches: int = 3) -> Plan:
 
 
 def windows(
-    plan: Plan, stages: int, microbatches: int, batches: int
+    plan: Plan, stages: int, microbatches: int, batches: int, lookahead: int = 1
 ) -> dict[int, list[list[Action]]]:
     """Cut each rank's row of a (lowered or not) :func:`two_bw` plan into ``batches + 1``
     windows: one per mini-batch, then the drain. A receive goes with the compute action after
     it, a send with the one before it (where :func:`~asyncpipe.schedule.lower` puts them).
+    ``lookahead``: the one ``plan`` was made with.
 
     Example:
         >>> from asyncpipe.schedule import two_bw
@@ -97,7 +119,7 @@ def windows(
         actions = [a for a in row if a is not None]
         where: dict[Action, int] = {}
         for stage in sorted({a.stage for a in actions if a.kind.is_compute}):
-            where.update(window_of(stages, microbatches, stage, batches))
+            where.update(window_of(stages, microbatches, stage, batches, lookahead))
         cut: list[list[Action]] = [[] for _ in range(batches + 1)]
         index = [0] * len(actions)
         last = 0
@@ -125,10 +147,13 @@ def simulate_window(
     window: int,
     batches: int,
     first: int | None = None,
+    lookahead: int = 1,
 ) -> Simulation:
     """Simulate a (lowered) :func:`two_bw` stream of ``batches`` mini-batches and keep one of
     its :func:`windows` (``batches``: the drain): every rank's actions of that window, times
     from the first of them on any rank, which is how a traced 2BW step is measured.
+
+    ``lookahead``: the one ``plan`` was made with (see :func:`two_bw`).
 
     ``first``: renumber the window's micro-batches so that the lowest is ``first``: a later
     window of a longer stream has the same timing with other numbers (here the window of
@@ -141,7 +166,7 @@ def simulate_window(
         (7.0, ['1F8', '1B8', '1F9', '1B9'])
     """
     full = simulate(plan, costs)
-    cut = windows(plan, len(plan), microbatches, batches)
+    cut = windows(plan, len(plan), microbatches, batches, lookahead)
     kept: dict[int, list[tuple[Action, float, float]]] = {}
     for rank, parts in cut.items():
         begin = sum(len(part) for part in parts[:window])

@@ -36,7 +36,7 @@ from ..runtime import TRACE_CHANNEL
 from ..schedule import Plan, forward_only, lower, two_bw
 from ..transport import Message, PendingRecv, Transport
 from .clock import clock_offset
-from .run import STREAM_BATCHES, SYNC, WAIT, WINDOWS, Event, RankStep, StepTrace
+from .run import STREAM_BATCHES, SYNC, WAIT, Event, RankStep, StepTrace, stream_window
 from .writer import TraceWriter
 
 __all__: list[str] = []
@@ -168,8 +168,9 @@ class Recorder:
     ) -> None:
         """Ship the step's payload (rank 0 keeps its own) and write what has arrived.
 
-        ``window``: the step ran one window of the 2BW stream (a key of ``WINDOWS``), not a
-        whole plan; its plan in the trace is the stream it is a window of."""
+        ``window``: the step ran one window of the 2BW stream (named by
+        :func:`~asyncpipe.trace.run.window_name`), not a whole plan; its plan in the trace is
+        the stream it is a window of."""
         assert self._phase_start is not None
         payload: dict[str, Any] = {
             "start": self._phase_start,
@@ -190,10 +191,15 @@ class Recorder:
         if key not in self._plans:
             self._plans.add(key)
             if window is not None:
-                if window not in WINDOWS:
-                    raise ValueError(f"no 2BW window is named {window!r}: one of {list(WINDOWS)}")
-                world = self.transport.world_size
-                self.writer.add_plan(key, lower(two_bw(world, microbatches, STREAM_BATCHES)))
+                cut = stream_window(key)
+                if cut is None:
+                    raise ValueError(
+                        f"no 2BW window is named {window!r}: e.g. '2bw-first', '2bw', "
+                        f"'2bw-drain', '2bw-lookahead2'"
+                    )
+                world, lookahead = self.transport.world_size, cut[2]
+                stream = two_bw(world, microbatches, STREAM_BATCHES, lookahead=lookahead)
+                self.writer.add_plan(key, lower(stream))
             else:
                 plan = lower(self.plan_for(microbatches))
                 self.writer.add_plan(key, plan if train else forward_only(plan))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
@@ -22,22 +23,43 @@ WAIT, SYNC = "wait", "sync"
 STREAM_BATCHES = 3
 """A traced 2BW step is a window of the 2BW stream of this many mini-batches: its plan in the
 trace, which the simulated ideal cuts the same window from."""
-WINDOWS = {"2bw-first": 0, "2bw": 1, "2bw-drain": STREAM_BATCHES}
-"""The 2BW windows a step's plan key names (``"8/2bw"``: a window after another, with 8
-micro-batches), and their index in the stream of ``STREAM_BATCHES`` mini-batches."""
+WINDOWS = {"-first": 0, "": 1, "-drain": STREAM_BATCHES}
+"""The 2BW windows a step's plan key names by its ending (``"8/2bw"``: a window after another,
+with 8 micro-batches; ``"8/2bw-first"``; ``"8/2bw-drain"``), and their index in the stream of
+``STREAM_BATCHES`` mini-batches. A lookahead above 1 comes before the ending:
+``"8/2bw-lookahead2-first"``."""
+
+_WINDOW = re.compile(r"2bw(?:-lookahead([1-9][0-9]*))?(-first|-drain)?")
 
 
-def stream_window(key: str) -> tuple[int, int] | None:
-    """(micro-batches, window) of a 2BW step's plan key, or None for a step that runs its whole
-    plan.
+def window_name(window: str, lookahead: int = 1) -> str:
+    """The plan key's name of a 2BW step: ``window`` is ``"first"``, ``"steady"`` or
+    ``"drain"``.
+
+    Example:
+        >>> window_name("first"), window_name("steady", 2)
+        ('2bw-first', '2bw-lookahead2')
+    """
+    ending = {"first": "-first", "steady": "", "drain": "-drain"}[window]
+    return "2bw" + (f"-lookahead{lookahead}" if lookahead != 1 else "") + ending
+
+
+def stream_window(key: str) -> tuple[int, int, int] | None:
+    """(micro-batches, window, lookahead) of a 2BW step's plan key, or None for a step that
+    runs its whole plan.
 
     Example:
         >>> stream_window("8/2bw"), stream_window("8/2bw-drain"), stream_window("8/train")
-        ((8, 1), (8, 3), None)
+        ((8, 1, 1), (8, 3, 1), None)
+        >>> stream_window("8/2bw-lookahead2-first")
+        (8, 0, 2)
     """
     count, _, name = key.partition("/")
-    window = WINDOWS.get(name)
-    return None if window is None or not count.isdigit() else (int(count), window)
+    found = _WINDOW.fullmatch(name)
+    if found is None or not count.isdigit():
+        return None
+    lookahead, ending = found.groups()
+    return int(count), WINDOWS[ending or ""], int(lookahead or 1)
 
 
 @lru_cache(maxsize=4096)
@@ -166,7 +188,10 @@ class StepTrace:
         ]
         first = min(numbers, default=None)
         costs = self.costs(stage_owners(plan))  # a window may not run every stage (the drain)
-        return simulate_window(plan, costs, *window, STREAM_BATCHES, first=first)
+        microbatches, index, lookahead = window
+        return simulate_window(
+            plan, costs, microbatches, index, STREAM_BATCHES, first=first, lookahead=lookahead
+        )
 
     def to_json(self) -> str:
         ranks = {
