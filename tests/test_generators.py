@@ -70,12 +70,12 @@ def test_interleaved_literal_fewer_microbatches_than_ranks() -> None:
 def test_zero_bubble_literals() -> None:
     assert zero_bubble(2, 3) == {
         0: row("0F0 0F1 0B0 0W0 0F2 0B1 0W1 0B2 0W2"),
-        1: row("1F0 1B0 1W0 1F1 1B1 1W1 1F2 1B2 1W2"),
+        1: row("1F0 1B0 1F1 1B1 1W0 1F2 1B2 1W1 1W2"),
     }
     assert zero_bubble(3, 3) == {
         0: row("0F0 0F1 0F2 0B0 0W0 0B1 0W1 0B2 0W2"),
-        1: row("1F0 1F1 1B0 1W0 1F2 1B1 1W1 1B2 1W2"),
-        2: row("2F0 2B0 2W0 2F1 2B1 2W1 2F2 2B2 2W2"),
+        1: row("1F0 1F1 1B0 1F2 1B1 1W0 1B2 1W1 1W2"),
+        2: row("2F0 2B0 2F1 2B1 2F2 2B2 2W0 2W1 2W2"),
     }
 
 
@@ -84,10 +84,17 @@ def test_zero_bubble_docstring_timeline() -> None:
     timeline = simulate(zero_bubble(3, 3), Costs(forward=1, backward=1, weight=1)).timeline
     starts = {r: [(name[1:], int(start)) for name, start, _ in t] for r, t in timeline.items()}
     assert starts[0] == [
-        ("F0", 0), ("F1", 1), ("F2", 2), ("B0", 5), ("W0", 6), ("B1", 8), ("W1", 9), ("B2", 11),
-        ("W2", 12),
+        ("F0", 0), ("F1", 1), ("F2", 2), ("B0", 5), ("W0", 6), ("B1", 7), ("W1", 8), ("B2", 9),
+        ("W2", 10),
     ]  # fmt: skip
-    assert starts[2][:4] == [("F0", 2), ("B0", 3), ("W0", 4), ("F1", 5)]
+    assert starts[1] == [
+        ("F0", 1), ("F1", 2), ("B0", 4), ("F2", 5), ("B1", 6), ("W0", 7), ("B2", 8), ("W1", 9),
+        ("W2", 10),
+    ]  # fmt: skip
+    assert starts[2] == [
+        ("F0", 2), ("B0", 3), ("F1", 4), ("B1", 5), ("F2", 6), ("B2", 7), ("W0", 8), ("W1", 9),
+        ("W2", 10),
+    ]  # fmt: skip
 
 
 def test_registry_builds_the_new_schedules() -> None:
@@ -163,11 +170,11 @@ def test_sweep_zero_bubble(stages: int) -> None:
         assert stage_owners(plan) == {s: s for s in range(stages)}, case
         result = simulate(plan, unit)
         base = simulate(one_f_one_b(stages, microbatches), Costs(forward=1, backward=2))
-        for s in range(stages):
-            assert result.peak_activations[s] <= base.peak_activations[s], case
+        # no rank holds more activations than 1F1B's peak (its first rank's)
+        assert max(result.peak_activations.values()) <= base.peak_activations[0], case
         assert result.makespan <= base.makespan, case
-        if microbatches >= stages:
-            assert result.makespan == 3 * microbatches + 2 * (stages - 1), case
+        if microbatches >= stages:  # ZB-H1: a third of 1F1B's bubble of 3 * (S - 1)
+            assert result.makespan == 3 * microbatches + stages - 1, case
         if microbatches >= stages >= 2:
             assert result.makespan < base.makespan, case
 
@@ -218,9 +225,10 @@ def test_interleaved_bubble_is_a_vth_of_one_f_one_b(stages: int, microbatches: i
 
 
 def test_zero_bubble_beats_one_f_one_b_at_same_work() -> None:
-    """S = 4, M = 8: 1F1B (F = 1, B = 2) takes 33 steps, zero-bubble (F = B = W = 1) 30."""
+    """S = 4, M = 8: 1F1B (F = 1, B = 2) takes 33 steps, zero-bubble (F = B = W = 1) 27."""
     base = simulate(one_f_one_b(4, 8), Costs(forward=1, backward=2))
     mine = simulate(zero_bubble(4, 8), Costs(forward=1, backward=1, weight=1))
-    assert (base.makespan, mine.makespan) == (33, 30)
-    assert mine.total_bubble == pytest.approx(6 / 30)
-    assert mine.peak_activations == base.peak_activations == {0: 4, 1: 3, 2: 2, 3: 1}
+    assert (base.makespan, mine.makespan) == (33, 27)
+    assert mine.total_bubble == pytest.approx(3 / 27)
+    assert base.peak_activations == {0: 4, 1: 3, 2: 2, 3: 1}
+    assert mine.peak_activations == {0: 4, 1: 4, 2: 4, 3: 4}  # 1F1B's peak, on every rank

@@ -132,10 +132,12 @@ def test_one_f_one_b_bounds_activations_by_stages(stages: int) -> None:
 
 
 def test_zero_bubble_peak_memory_equals_one_f_one_b() -> None:
+    """Every rank holds at most 1F1B's peak (4 micro-batches with 4 stages, on its first
+    rank), counted until W, and the later ranks use that room in the cool-down."""
     model = mlp(4)
     _, pipes, _, _ = run(model, [1] * 4, 8, "never", "zero_bubble", rows=8)
-    for pipe in pipes:
-        assert pipe.last_step is not None and pipe.last_step.peak_activations <= 4 - pipe.stage
+    peaks = [p.last_step.peak_activations for p in pipes if p.last_step is not None]
+    assert peaks == [4, 4, 4, 4]
 
 
 def test_split_backward_computes_weights_only_in_w(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,4 +1,4 @@
-"""Zero-bubble pipeline (ZB-H1 style): the backward split into input and weight gradients."""
+"""Zero-bubble pipeline (ZB-H1): the backward split into input and weight gradients."""
 
 from __future__ import annotations
 
@@ -9,37 +9,36 @@ __all__: list[str] = []
 
 
 def zero_bubble(stages: int, microbatches: int) -> Plan:
-    """ZB-H1-style plan: each backward is split into ``B`` (the gradient of the stage's input,
-    which the stage upstream waits for) and ``W`` (the gradient of its weights, which nothing
-    waits for), so ``W`` can be moved into the gaps where 1F1B idles. Stage ``s`` runs on rank
-    ``s``; each (stage, micro-batch) has ``F``, ``B`` and ``W``, in that order.
+    """ZB-H1 plan: each backward is split into ``B`` (the gradient of the stage's input, which
+    the stage upstream waits for) and ``W`` (the gradient of its weights, which nothing waits
+    for), so ``W`` can be moved into the gaps where 1F1B idles. Stage ``s`` runs on rank ``s``;
+    each (stage, micro-batch) has ``F``, ``B`` and ``W``, in that order.
 
     Construction: a step-by-step simulation with unit costs. At every step each rank runs the
-    first ready action of: its oldest ``B`` whose gradient has arrived; else its next ``F`` if
-    its input has arrived and fewer than ``stages - s`` micro-batches are in flight on it (run
-    ``F``, ``W`` not yet run: the 1F1B bound, as :func:`simulate` counts activations); else its
-    oldest pending ``W``; else it idles. Actions finished in a step are seen in the next one.
-    The order each rank ran its actions is the plan; fixed priorities make it deterministic.
-    ``zero_bubble(3, 3)`` at unit costs (one column per step, ``.`` is idle)::
+    first ready action of: its next ``F``, if its input has arrived, fewer than ``stages - s``
+    micro-batches await their ``B`` on it (1F1B's warm-up and steady state) and fewer than
+    ``stages`` await their ``W`` (the activation bound, as :func:`simulate` counts them); else
+    its oldest ``B`` whose gradient has arrived; else its oldest pending ``W``; else it idles.
+    Actions finished in a step are seen in the next one. The order each rank ran its actions is
+    the plan; fixed priorities make it deterministic. ``zero_bubble(3, 3)`` at unit costs (one
+    column per step, ``.`` is idle)::
 
-        rank 0: F0 F1 F2 .  .  B0 W0 .  B1 W1 .  B2 W2
-        rank 1: .  F0 F1 .  B0 W0 F2 B1 W1 .  B2 W2
-        rank 2: .  .  F0 B0 W0 F1 B1 W1 F2 B2 W2
+        rank 0: F0 F1 F2 .  .  B0 W0 B1 W1 B2 W2
+        rank 1: .  F0 F1 .  B0 F2 B1 W0 B2 W1 W2
+        rank 2: .  .  F0 B0 F1 B1 F2 B2 W0 W1 W2
 
-    In the steady state a rank runs F, B, W in turn; in the cool-down the ``W`` fill the gaps
-    between the ``B`` coming back. With F = B = W = 1 the makespan is ``3 * M + 2 * (S - 1)``
-    for ``M >= S``, against ``3 * (M + S - 1)`` for 1F1B with the same work (F = 1, B = 2): the
-    bubble is two thirds of 1F1B's. That is the best any plan can do under the per-rank bound
-    of ``stages - s`` in flight: the last stage may hold one micro-batch, so it runs F, B, W
-    strictly in turn, and its last ``B`` still has ``S - 1`` stages to travel down. (The paper's
-    ZB-H1 reaches a third of 1F1B's bubble by letting every stage hold as many micro-batches
-    as the first, counted until ``W``: only the first stage's peak stays at 1F1B's.)
+    The later stages put their ``W`` off until the ``B`` have gone upstream, and run them in
+    the cool-down, where 1F1B idles. With F = B = W = 1 the makespan is ``3 * M + S - 1`` for
+    ``M >= S``, against ``3 * (M + S - 1)`` for 1F1B with the same work (F = 1, B = 2): a third
+    of 1F1B's bubble, the paper's ZB-H1. Memory: every rank holds at most ``stages``
+    micro-batches' activations (counted until their ``W``), 1F1B's peak, which 1F1B reaches on
+    its first rank; the later ranks hold more than under 1F1B, up to that peak.
 
     Example:
         >>> from asyncpipe.schedule import zero_bubble, format_plan
         >>> print(format_plan(zero_bubble(2, 2)))
         rank 0: 0F0 0F1 0B0 0W0 0B1 0W1
-        rank 1: 1F0 1B0 1W0 1F1 1B1 1W1
+        rank 1: 1F0 1B0 1F1 1B1 1W0 1W1
 
     Raises:
         ValueError: if ``stages`` or ``microbatches`` is not a positive int.
@@ -54,14 +53,15 @@ def zero_bubble(stages: int, microbatches: int) -> Plan:
         done_forward, done_backward = list(forward), list(backward)  # as of the step's start
         for s in range(stages):
             i = backward[s]
-            if i < forward[s] and (s == stages - 1 or done_backward[s + 1] > i):
-                kind, backward[s] = Kind.BACKWARD, i + 1
-            elif (
+            if (
                 forward[s] < microbatches
-                and forward[s] - weight[s] < stages - s
+                and forward[s] - backward[s] < stages - s
+                and forward[s] - weight[s] < stages
                 and (s == 0 or done_forward[s - 1] > forward[s])
             ):
                 kind, i, forward[s] = Kind.FORWARD, forward[s], forward[s] + 1
+            elif i < forward[s] and (s == stages - 1 or done_backward[s + 1] > i):
+                kind, backward[s] = Kind.BACKWARD, i + 1
             elif weight[s] < backward[s]:
                 kind, i, weight[s] = Kind.WEIGHT, weight[s], weight[s] + 1
             else:
