@@ -497,11 +497,19 @@ def test_2bw_with_a_barrier_after_every_step_and_large_messages() -> None:
     _check_ranks(results, want, plain, rel=1e-4, atol=1e-5)
 
 
-def test_memory_is_two_weight_versions_and_1f1b_activations() -> None:
+@pytest.mark.parametrize("lookahead", [1, 2])
+def test_memory_is_two_weight_versions_and_1f1b_activations(lookahead: int) -> None:
     plain, data = model(), batches(4, rows=16)
 
     def fn(rank: int, transport: Transport) -> tuple[int, int, int, int]:
-        pipe = AsyncPipe(plain, [2, 2, 2, 2], chunks=8, schedule="2bw", transport=transport)
+        pipe = AsyncPipe(
+            plain,
+            [2, 2, 2, 2],
+            chunks=8,
+            schedule="2bw",
+            lookahead=lookahead,
+            transport=transport,
+        )
         opt = adam(pipe.parameters())
         peak = 0
         for x, y in data:
@@ -517,7 +525,8 @@ def test_memory_is_two_weight_versions_and_1f1b_activations() -> None:
         return peak, stream.versions.peak_versions, stashed, params
 
     for rank, (peak, versions, stashed, params) in enumerate(values(run_threads(fn, 4))):
-        assert peak == 4 - rank  # as 1F1B: at most stages - rank micro-batches in flight
+        # as 1F1B (stages - rank micro-batches in flight), or 2 * (stages - rank) - 1
+        assert peak == lookahead * (4 - rank - 1) + 1
         assert versions == (1 if rank == 3 else 2)  # the last stage never needs the stash
         assert stashed == (0 if rank == 3 else params)
 
