@@ -207,6 +207,7 @@ def run_twobw(args: argparse.Namespace) -> list[dict[str, Any]]:
             argv = [
                 f"--f-ms={args.f_ms}", f"--chunks={chunks}", f"--micro-batch={args.micro_batch}",
                 "--shape=small", f"--warmup={args.warmup}", f"--steps={args.steps}",
+                "--schedules=1f1b,2bw",
             ]  # fmt: skip
             limit = chunks * 3 * args.f_ms / 1000 * args.layers / stages
             row: dict[str, Any] = {"stages": stages, "chunks": chunks, "limit_s": limit}
