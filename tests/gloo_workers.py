@@ -321,3 +321,29 @@ def directions(rank: int, world: int) -> Any:
         "me": me,
         "refused": refused,
     }
+
+
+def packed_reuse(rank: int, world: int) -> Any:
+    """Three rounds of 8 packed messages from rank 0 to rank 1 (one per slot), with a flush
+    after each: from the second round on, rank 0 packs into the buffers of the sends the
+    previous flush completed, and rank 1 must still get every round's own values."""
+    from asyncpipe.transport import Message
+
+    transport = P2PTransport()
+    shape, spares, got = (4, 256), [], []
+    for round_ in range(3):
+        if rank == 0:
+            for slot in range(8):
+                value = torch.full(shape, float(100 * round_ + slot))
+                transport.send(1, 5, Message(slot, 8, (value,)))
+            spares.append(sum(len(s) for s in transport._spare.values()))
+            transport.flush(30)
+            spares.append(sum(len(s) for s in transport._spare.values()))
+        else:
+            for slot in range(8):
+                message = transport.recv(0, 5, slot).wait(30)
+                tensor = message.tensors[0]
+                assert tensor is not None
+                got.append(sorted(set(tensor.flatten().tolist())))
+        torch.distributed.barrier()
+    return {"spares": spares, "got": got}

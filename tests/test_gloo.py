@@ -10,6 +10,7 @@ from gloo_workers import (
     failure,
     features,
     message_sizes,
+    packed_reuse,
     settle,
     transparency,
 )
@@ -91,6 +92,17 @@ def test_the_nccl_code_path_of_the_p2p_transport_over_gloo(world: int) -> None:
         timeout=240,
     )
     check_errors(results)
+
+
+def test_packed_buffers_are_reused_once_their_sends_completed() -> None:
+    sender, receiver = run_ranks(packed_reuse, 2, timeout=120)
+    # every round's own values arrive, the third's from reused buffers
+    assert receiver["got"] == [[float(100 * r + s)] for r in range(3) for s in range(8)]
+    before_flush, after_flush = sender["spares"][0::2], sender["spares"][1::2]
+    # the first round goes separate (each slot learns its size), the second packed: its
+    # flush frees 8 buffers, which the third round's 8 packed messages take again
+    assert after_flush == [0, 8, 8]
+    assert before_flush == [0, 0, 0]
 
 
 def test_ordered_mode_sends_each_direction_in_its_own_group() -> None:

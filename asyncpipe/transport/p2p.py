@@ -41,6 +41,9 @@ HEADER_SIZE = 256
 HEADER_BYTES = 8 * HEADER_SIZE
 PACK_LIMIT = 256 * 1024
 _ALIGN = 64
+_SPARE_BUFFERS = 32
+"""Packed buffers of one size kept for reuse once their sends completed (a fresh buffer's
+pages are touched for the first time by the copy, which costs more than the copy)."""
 _MAGIC = 0x41505031
 _PACKED, _ERROR, _SEPARATE = 0, 1, 2
 _DTYPES: list[torch.dtype] = [
@@ -109,13 +112,20 @@ def _encode(message: Message, payload: Sequence[Tensor | None]) -> tuple[list[in
     return fields, offsets
 
 
-def pack(fields: Sequence[int], offsets: Sequence[int], payload: Sequence[Tensor | None]) -> Tensor:
-    """One host-memory message holding the header ``fields`` and the tensors at ``offsets``.
+def pack(
+    fields: Sequence[int],
+    offsets: Sequence[int],
+    payload: Sequence[Tensor | None],
+    buffer: Tensor | None = None,
+) -> Tensor:
+    """One host-memory message holding the header ``fields`` and the tensors at ``offsets``,
+    in ``buffer`` (``fields[5]`` bytes of uint8, reused) or a new one.
 
     Host tensors are copied with one ``memmove`` each rather than through torch's dispatcher:
     a message of a few KiB costs a handful of microseconds instead of tens, which matters on
     the critical path of every pipeline hop."""
-    buffer = torch.empty(fields[5], dtype=torch.uint8)
+    if buffer is None:
+        buffer = torch.empty(fields[5], dtype=torch.uint8)
     base = buffer.data_ptr()
     header = array("q", fields).tobytes()
     ctypes.memmove(base, header, len(header))
@@ -229,12 +239,7 @@ class _P2PRecv(PendingRecv):
         self.transport, self.src, self.channel, self.slot = transport, src, channel, slot
         capacity = transport.capacity.get((src, channel, slot), HEADER_BYTES)
         self.buffer = torch.empty(capacity, dtype=torch.uint8, device=transport.wire)
-        self.work: dist.Work | None = dist.irecv(
-            self.buffer,
-            transport.global_rank(src),
-            group=transport.group_from(src),
-            tag=2 * channel,
-        )
+        self.work: dist.Work | None = transport.irecv(self.buffer, src, 2 * channel)
 
     def _wait(self, work: dist.Work | None, timeout: float, what: str) -> None:
         assert work is not None  # point-to-point operations always return a Work
@@ -276,10 +281,7 @@ class _P2PRecv(PendingRecv):
                     tensors.append(None)
                     continue
                 buffer = torch.empty(shape, dtype=_DTYPES[code], device=transport.wire)
-                peer = transport.global_rank(self.src)
-                tag = 2 * self.channel + 1
-                group = transport.group_from(self.src)
-                works.append(dist.irecv(buffer, peer, group=group, tag=tag))
+                works.append(transport.irecv(buffer, self.src, 2 * self.channel + 1))
                 tensors.append(buffer)
             for work in works:
                 self._wait(work, timeout, f"the tensors of micro-batch {microbatch}")
@@ -346,7 +348,20 @@ class P2PTransport(Transport):
         self.down_group = group
         if self.ordered:
             self.down_group = down_group or _down_group(group, self._ranks)
+        # Host memory (gloo): call the groups' own send and recv, skipping torch.distributed's
+        # per-call checks (tens of microseconds each on a hop's critical path).
+        self._direct = self.wire.type == "cpu"
+        world = dist.group.WORLD
+        assert world is not None
+        self._up: dist.ProcessGroup = group or world
+        self._down: dist.ProcessGroup = self.down_group or world
         self.capacity: dict[tuple[int, int, int], int] = {}
+        # the header fields and tensor offsets of a packed message, by its tensors' kinds
+        self._layouts: dict[tuple[object, ...], tuple[list[int], list[int]]] = {}
+        # packed buffers whose sends have completed, by size, for the next packed sends
+        self._spare: dict[int, list[Tensor]] = {}
+        # the packed buffers of pending sends, by id (held, so that no id is reused)
+        self._packed: dict[int, Tensor] = {}
         # sends not yet known to be taken, by (peer, channel, slot); buffers live until then
         self._pending: dict[tuple[int, int, int], list[tuple[dist.Work | None, Tensor]]] = {}
         # sends put off by defer() until the flush after the next one
@@ -371,8 +386,45 @@ class P2PTransport(Transport):
 
     def _isend(self, tensor: Tensor, key: tuple[int, int, int], tag: int) -> None:
         peer = key[0]
-        work = dist.isend(tensor, self.global_rank(peer), group=self.group_to(peer), tag=tag)
+        work: dist.Work | None
+        if self._direct:
+            group = self._up if peer > self.rank else self._down
+            wire = torch.view_as_real(tensor) if tensor.is_complex() else tensor
+            work = group.send([wire], peer, tag)
+        else:
+            work = dist.isend(tensor, self.global_rank(peer), group=self.group_to(peer), tag=tag)
         self._pending.setdefault(key, []).append((work, tensor))
+
+    def irecv(self, buffer: Tensor, src: int, tag: int) -> dist.Work | None:
+        """Post a receive of ``buffer`` from pipeline rank ``src``."""
+        if self._direct:
+            group = self._up if src < self.rank else self._down
+            wire = torch.view_as_real(buffer) if buffer.is_complex() else buffer
+            return group.recv([wire], src, tag)
+        return dist.irecv(buffer, self.global_rank(src), group=self.group_from(src), tag=tag)
+
+    def _layout(
+        self, message: Message, payload: Sequence[Tensor | None]
+    ) -> tuple[list[int], list[int]]:
+        """:func:`encode_header`'s fields (a fresh list) and the tensors' offsets, computed once
+        per kind of payload (a pipeline sends the same shapes at every micro-batch)."""
+        kinds = tuple(
+            None if t is None else (t.dtype, t.requires_grad, tuple(t.shape)) for t in payload
+        )
+        known = self._layouts.get(kinds)
+        if known is None:
+            known = _encode(message, payload)
+            self._layouts[kinds] = known
+        fields = list(known[0])
+        fields[3], fields[4] = message.microbatch, message.microbatches
+        return fields, known[1]
+
+    def _pack(self, fields: list[int], offsets: list[int], payload: list[Tensor | None]) -> Tensor:
+        """A packed message in a spare buffer of its size where one is free."""
+        spare = self._spare.get(fields[5])
+        buffer = pack(fields, offsets, payload, spare.pop() if spare else None)
+        self._packed[id(buffer)] = buffer
+        return buffer
 
     def send(self, dst: int, channel: int, message: Message) -> None:
         key = (dst, channel, message.microbatch)
@@ -380,10 +432,10 @@ class P2PTransport(Transport):
             self._isend(_error_header(message).view(torch.uint8).to(self.wire), key, 2 * channel)
             return
         payload = list(message.tensors)
-        fields, offsets = _encode(message, payload)
+        fields, offsets = self._layout(message, payload)
         total = fields[5]
         if total <= self.capacity.get(key, HEADER_BYTES):  # packing is for gloo: host memory
-            self._isend(pack(fields, offsets, payload), key, 2 * channel)
+            self._isend(self._pack(fields, offsets, payload), key, 2 * channel)
             return
         fields[2] = _SEPARATE
         self.grow(key, total)
@@ -412,7 +464,7 @@ class P2PTransport(Transport):
 
     def _wait_all(self, sends: list[tuple[dist.Work | None, Tensor]], timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        for work, _ in sends:
+        for work, tensor in sends:
             if work is None:
                 continue
             left = max(deadline - time.monotonic(), 0.001)
@@ -423,3 +475,8 @@ class P2PTransport(Transport):
                     f"rank {self.rank} could not finish its sends within {timeout:.1f} s: "
                     f"{str(e).splitlines()[0]}"
                 ) from e
+            if self._packed.get(id(tensor)) is tensor:  # sent: the buffer can carry another
+                del self._packed[id(tensor)]
+                spare = self._spare.setdefault(tensor.numel(), [])
+                if len(spare) < _SPARE_BUFFERS:
+                    spare.append(tensor)
