@@ -11,9 +11,10 @@ and tensors in one message::
                tag 2c+1   [ tensor 0 ] [ tensor 1 ] ...
 
 Sender and receiver keep the same record of sizes per slot, so both agree on whether a message
-fits. Only messages up to ``PACK_LIMIT`` bytes are packed: above it, copying the tensors into
-one buffer costs more than the second message, so large tensors always go separate, straight
-from their own memory. NCCL needs receives of the exact size, in posting order: there every
+fits. A packed buffer is reused for a later message once its send has completed. Only
+messages up to ``PACK_LIMIT`` bytes are packed: above it, copying the tensors into one buffer
+costs more than the second message, so large tensors always go separate, straight from their
+own memory. NCCL needs receives of the exact size, in posting order: there every
 message goes separate, each receive is posted only when it is due, and each direction between
 two ranks travels in its own group (see :class:`P2PTransport`). Gloo moves host memory
 only: with CUDA tensors over gloo (processes sharing a GPU), messages are staged through host
