@@ -214,6 +214,14 @@ def test_cli_unknown_schedule(tmp_path: Path) -> None:
             ["--schedule", "gpipe", "--stages", "2", "--chunks", "2", "--virtual-stages", "2"],
             "needs schedule='interleaved'",
         ),
+        (
+            ["--schedule", "1f1b", "--stages", "2", "--chunks", "2", "--lookahead", "2"],
+            "lookahead=2 needs schedule '2bw'",
+        ),
+        (
+            ["--schedule", "2bw", "--stages", "4", "--chunks", "4", "--lookahead", "2"],
+            "pass chunks >= 6 or a smaller lookahead",
+        ),
         (["--schedule", "gpipe", "--stages", "2", "--chunks", "2", "--send", "-1"], ">= 0"),
         (["--plan", "missing.txt"], "cannot read plan file 'missing.txt'"),
     ],
@@ -234,6 +242,17 @@ def test_cli_errors_are_one_line(
     assert status == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_cli_shows_2bw_with_a_lookahead(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    args = ["show", "--schedule", "2bw", "--stages", "4", "--chunks", "6", "--lookahead", "2"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("2bw: 4 ranks, 6 micro-batches, lookahead 2")
+    assert "rank 0: 0F0 0F1 0F2 0F3 0F4 0F5 0F6 0B0 " in out  # 2 * 3 forwards ahead, then 1F1B
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -115,6 +115,14 @@ def _parser() -> argparse.ArgumentParser:
         metavar="V",
         help="model chunks per rank; more than 1 only for 'interleaved' (default: 1)",
     )
+    named.add_argument(
+        "--lookahead",
+        type=_positive_int,
+        default=1,
+        metavar="K",
+        help="micro-batches each rank's forwards run ahead of the next rank's; more than 1 "
+        "only for '2bw' (default: 1)",
+    )
     show.add_argument(
         "--lower",
         action="store_true",
@@ -169,7 +177,7 @@ def _named_plan(args: argparse.Namespace) -> tuple[Plan, str]:
             f"--schedule {args.schedule} --stages 4 --chunks 8"
         )
     try:
-        plan = build(args.schedule, args.stages, args.chunks, args.virtual_stages)
+        plan = build(args.schedule, args.stages, args.chunks, args.virtual_stages, args.lookahead)
     except ImportError as e:
         raise _UsageError(
             f"schedule {args.schedule!r} is not available in this installation ({e}); "
@@ -182,6 +190,8 @@ def _named_plan(args: argparse.Namespace) -> tuple[Plan, str]:
     )
     if args.virtual_stages != 1:
         described += f", {args.virtual_stages} virtual stages per rank"
+    if args.lookahead != 1:
+        described += f", lookahead {args.lookahead}"
     return plan, described
 
 
@@ -192,6 +202,7 @@ def _file_plan(args: argparse.Namespace) -> tuple[Plan, str]:
             ("--stages", args.stages),
             ("--chunks", args.chunks),
             ("--virtual-stages", None if args.virtual_stages == 1 else args.virtual_stages),
+            ("--lookahead", None if args.lookahead == 1 else args.lookahead),
         ]
         if value is not None
     ]
