@@ -369,13 +369,13 @@ class P2PTransport(Transport):
         self._deferred: list[tuple[dist.Work | None, Tensor]] = []
         self._overdue: list[tuple[dist.Work | None, Tensor]] = []
 
-    def group_to(self, dst: int) -> dist.ProcessGroup | None:
+    def group_to(self, dst: int) -> dist.ProcessGroup:
         """The group of messages from this rank to pipeline rank ``dst``."""
-        return self.group if dst > self.rank else self.down_group
+        return self._up if dst > self.rank else self._down
 
-    def group_from(self, src: int) -> dist.ProcessGroup | None:
+    def group_from(self, src: int) -> dist.ProcessGroup:
         """The group of messages from pipeline rank ``src`` to this rank."""
-        return self.group if src < self.rank else self.down_group
+        return self._up if src < self.rank else self._down
 
     def global_rank(self, rank: int) -> int:
         return self._ranks[rank]
@@ -388,10 +388,9 @@ class P2PTransport(Transport):
     def _isend(self, tensor: Tensor, key: tuple[int, int, int], tag: int) -> None:
         peer = key[0]
         work: dist.Work | None
-        if self._direct:
-            group = self._up if peer > self.rank else self._down
+        if self._direct:  # pipeline rank = rank in either group
             wire = torch.view_as_real(tensor) if tensor.is_complex() else tensor
-            work = group.send([wire], peer, tag)
+            work = self.group_to(peer).send([wire], peer, tag)
         else:
             work = dist.isend(tensor, self.global_rank(peer), group=self.group_to(peer), tag=tag)
         self._pending.setdefault(key, []).append((work, tensor))
@@ -399,9 +398,8 @@ class P2PTransport(Transport):
     def irecv(self, buffer: Tensor, src: int, tag: int) -> dist.Work | None:
         """Post a receive of ``buffer`` from pipeline rank ``src``."""
         if self._direct:
-            group = self._up if src < self.rank else self._down
             wire = torch.view_as_real(buffer) if buffer.is_complex() else buffer
-            return group.recv([wire], src, tag)
+            return self.group_from(src).recv([wire], src, tag)
         return dist.irecv(buffer, self.global_rank(src), group=self.group_from(src), tag=tag)
 
     def _layout(
