@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import weakref
 from collections.abc import Mapping
 
 import torch
@@ -48,6 +49,38 @@ def init(
         _init_group(backend, timeout)
     if rpc:
         _init_rpc(timeout, worker_map)
+
+
+class GroupRef:
+    """A process group held without keeping it alive (``None``: the default group).
+
+    ``torch.distributed`` owns its groups: ``destroy_process_group()`` drops them and their
+    worker threads stop. A pipeline that held a group kept those threads running into the
+    interpreter's exit, where the clean-up of a finished collective could abort the process
+    ("terminate called without an active exception"). So the pipeline's parts hold groups
+    through this, and a use after the group is gone is a clear error.
+
+    Example:
+        >>> ref = GroupRef(group)  # doctest: +SKIP
+        >>> ref().rank()  # doctest: +SKIP
+        0
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        chosen = group if group is not None else dist.group.WORLD
+        if chosen is None:
+            raise RuntimeError("torch.distributed is not initialized: call asyncpipe.init()")
+        self._ref = weakref.ref(chosen)
+
+    def __call__(self) -> dist.ProcessGroup:
+        group = self._ref()
+        if group is None:
+            raise RuntimeError(
+                "the process group of this pipeline was destroyed (destroy_process_group() or "
+                "asyncpipe.shutdown()); a pipeline cannot run after that: call asyncpipe.init() "
+                "and build a new AsyncPipe"
+            )
+        return group
 
 
 def choose_backend(gpus: int, local_world_size: int) -> str:
@@ -104,7 +137,9 @@ def _init_rpc(timeout: float | datetime.timedelta, worker_map: Mapping[int, str]
 
 
 def shutdown() -> None:
-    """End RPC (waiting for every worker to get there) and the default process group.
+    """End RPC (waiting for every worker to get there) and the default process group, after a
+    barrier: every rank's collectives are done, so none is left to clean up at exit (see
+    "Ending a job" in the reliability guide).
 
     Example:
         >>> asyncpipe.shutdown()  # doctest: +SKIP

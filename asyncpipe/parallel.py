@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from .group import GroupRef
 from .transport import P2PTransport, RPCTransport, Transport
 
 __all__: list[str] = []
@@ -82,7 +83,8 @@ class GradientAverager:
         device: torch.device,
         bucket_bytes: int = BUCKET_BYTES,
     ) -> None:
-        self.group, self.size, self.device = group, size, device
+        self._group = GroupRef(group)  # torch.distributed owns it (see GroupRef)
+        self.size, self.device = size, device
         self.buckets: list[list[nn.Parameter]] = []
         current: list[nn.Parameter] = []
         used = 0
@@ -105,7 +107,7 @@ class GradientAverager:
                 if p.grad is None:  # unused here: its copies may have gradients
                     p.grad = torch.zeros_like(p)
             flat = torch.cat([p.grad.reshape(-1) for p in bucket if p.grad is not None])
-            work = dist.all_reduce(flat, group=self.group, async_op=True)
+            work = dist.all_reduce(flat, group=self._group(), async_op=True)
             self._running.append((bucket, flat, work))
 
     def finish(self) -> None:
@@ -125,7 +127,7 @@ class GradientAverager:
     def reduce_max(self, value: float) -> float:
         """The largest ``value`` over the group (e.g. an overflow flag)."""
         tensor = torch.tensor([value], dtype=torch.float64, device=self.device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._group())
         return float(tensor.item())
 
 

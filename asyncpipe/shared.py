@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from .group import GroupRef
 from .lazy import LazyModule
 from .partition import Layer, Partition
 
@@ -43,7 +44,8 @@ class _Group:
     names: tuple[str, ...]
     owners: tuple[int, ...]
     local: list[nn.Parameter]
-    group: dist.ProcessGroup | None
+    group: GroupRef | None
+    """The owners' process group (held weakly: torch.distributed owns it)."""
 
 
 class SharedWeights:
@@ -128,7 +130,10 @@ class SharedWeights:
                 process_group = dist.new_group(
                     [global_rank[s] for s in owners], timeout=timedelta(seconds=timeout)
                 )
-            self.groups.append(_Group(tuple(group), owners, local, process_group))
+            # ranks outside ``owners`` get a placeholder from new_group, and no local copies
+            member = isinstance(process_group, dist.ProcessGroup)
+            held = GroupRef(process_group) if member else None
+            self.groups.append(_Group(tuple(group), owners, local, held))
         self.rank = rank
         self._global = global_rank or {}
         self._copy_first()
@@ -147,7 +152,7 @@ class SharedWeights:
                     continue
                 value = g.local[0].detach().clone()
                 if g.group is not None:
-                    dist.broadcast(value, self._global[g.owners[0]], group=g.group)
+                    dist.broadcast(value, self._global[g.owners[0]], group=g.group())
                 for p in g.local:
                     p.copy_(value)
 
@@ -170,7 +175,7 @@ class SharedWeights:
                         added += p.grad if was is None else p.grad - was
                 if g.group is not None:
                     try:
-                        dist.all_reduce(added, group=g.group)
+                        dist.all_reduce(added, group=g.group())
                     except RuntimeError as e:
                         raise RuntimeError(
                             f"stage {self.rank} could not sum the gradients of shared weights "

@@ -79,3 +79,35 @@ def bf16_replicas(rank: int, world: int) -> list[float]:
         losses.append(pipe.step(x[half], y[half], mse))
         optimizer.step()
     return losses
+
+
+def groups_released(rank: int, world: int) -> Any:
+    """Two pipelines of two stages (data parallelism) take a step; then the process groups are
+    destroyed with the pipe still alive: none of them may outlive that (a group kept alive ran
+    its threads into the interpreter's exit, which could abort the process), and a step after
+    it is a clear error."""
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU())
+    pipe = AsyncPipe(model, [2, 2], chunks=2, data_parallel_size=2, timeout=30)
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+
+    def step() -> None:
+        pipe.step(x if pipe.is_first_stage else None, y if pipe.is_last_stage else None, mse)
+
+    step()
+    groups = [weakref.ref(g) for g in distributed_c10d._world.pg_map]
+    dist.destroy_process_group()
+    gc.collect()
+    alive = sum(ref() is not None for ref in groups)
+    try:
+        step()
+        after = ""
+    except RuntimeError as e:
+        after = str(e)
+    return {"groups": len(groups), "alive": alive, "after": after}

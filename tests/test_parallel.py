@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from parallel_workers import bf16_replicas, two_by_two
+from parallel_workers import bf16_replicas, groups_released, two_by_two
 from spawn import run_ranks
 
 pytestmark = pytest.mark.slow
@@ -29,3 +29,10 @@ def test_bfloat16_replicas_train() -> None:
         assert curve[-1] < 0.6 * curve[0]
     # the replicas see different halves of the batch, so their losses differ
     assert curves[1][-1] != curves[3][-1]
+
+
+def test_a_pipe_keeps_no_process_group_alive_after_it_is_destroyed() -> None:
+    for result in run_ranks(groups_released, 4, timeout=120):
+        assert result["groups"] >= 3  # the world, the pipeline's and the data-parallel group
+        assert result["alive"] == 0, result
+        assert "process group of this pipeline was destroyed" in result["after"], result

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..group import GroupRef
 from .base import Message, PendingRecv, Transport, TransportTimeout
 
 __all__: list[str] = []
@@ -335,7 +336,6 @@ class P2PTransport(Transport):
                 "the p2p transport needs torch.distributed: call asyncpipe.init() first and "
                 "launch with torchrun, e.g. torchrun --standalone --nproc-per-node=2 train.py"
             )
-        self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self._ranks = [
@@ -346,16 +346,14 @@ class P2PTransport(Transport):
         self.ordered = nccl if ordered is None else ordered
         self.early_receives = self.packs = not self.ordered
         self.wire = self.device if nccl else torch.device("cpu")  # where messages live
-        self.down_group = group
         if self.ordered:
-            self.down_group = down_group or _down_group(group, self._ranks)
-        # Host memory (gloo): call the groups' own send and recv, skipping torch.distributed's
-        # per-call checks (tens of microseconds each on a hop's critical path).
+            down_group = down_group or _down_group(group, self._ranks)
+        # Held weakly (torch.distributed owns groups; see GroupRef). Host memory (gloo): call
+        # the groups' own send and recv, skipping torch.distributed's per-call checks (tens of
+        # microseconds each on a hop's critical path).
         self._direct = self.wire.type == "cpu"
-        world = dist.group.WORLD
-        assert world is not None
-        self._up: dist.ProcessGroup = group or world
-        self._down: dist.ProcessGroup = self.down_group or world
+        self._up = GroupRef(group)
+        self._down = GroupRef(down_group if self.ordered else group)
         self.capacity: dict[tuple[int, int, int], int] = {}
         # the header fields and tensor offsets of a packed message, by its tensors' kinds
         self._layouts: dict[tuple[object, ...], tuple[list[int], list[int]]] = {}
@@ -369,13 +367,23 @@ class P2PTransport(Transport):
         self._deferred: list[tuple[dist.Work | None, Tensor]] = []
         self._overdue: list[tuple[dist.Work | None, Tensor]] = []
 
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The pipeline's process group."""
+        return self._up()
+
+    @property
+    def down_group(self) -> dist.ProcessGroup:
+        """The group of messages to lower ranks (``group`` but in ordered mode)."""
+        return self._down()
+
     def group_to(self, dst: int) -> dist.ProcessGroup:
         """The group of messages from this rank to pipeline rank ``dst``."""
-        return self._up if dst > self.rank else self._down
+        return self._up() if dst > self.rank else self._down()
 
     def group_from(self, src: int) -> dist.ProcessGroup:
         """The group of messages from pipeline rank ``src`` to this rank."""
-        return self._up if src < self.rank else self._down
+        return self._up() if src < self.rank else self._down()
 
     def global_rank(self, rank: int) -> int:
         return self._ranks[rank]
