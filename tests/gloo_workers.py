@@ -347,3 +347,47 @@ def packed_reuse(rank: int, world: int) -> Any:
                 got.append(sorted(set(tensor.flatten().tolist())))
         torch.distributed.barrier()
     return {"spares": spares, "got": got}
+
+
+def expected_headers(rank: int, world: int) -> Any:
+    """Messages of one channel, one per slot, over three rounds: the first teaches each slot
+    its size, the second comes packed (the receiver learns the channel's header), and in the
+    third the receiver takes the messages that match it without decoding: the others (another
+    shape, requires_grad or dtype, a missing tensor, an error notice) must still arrive as
+    sent."""
+    from asyncpipe.transport import Message
+
+    transport = P2PTransport()
+    third: list[Message] = [
+        Message(0, 8, (torch.full((4, 16), 0.0, requires_grad=True), torch.ones(3))),
+        Message(1, 8, (torch.full((4, 16), 1.0, requires_grad=True), torch.ones(3))),
+        Message(2, 8, (torch.full((2, 16), 2.0, requires_grad=True), torch.ones(3))),
+        Message(3, 8, (torch.full((4, 16), 3.0), torch.ones(3))),
+        Message(4, 8, (torch.full((4, 16), 4.0, dtype=torch.float64), torch.ones(3))),
+        Message(5, 8, (None, torch.ones(3))),
+        Message(6, 8, (), error="stage 0 failed in 0F6"),
+        Message(7, 9, (None, torch.full((3,), 7.0))),
+    ]
+    got: list[Any] = []
+    for round_ in range(3):
+        for slot in range(8):
+            if rank == 0:
+                value = torch.full((4, 16), float(slot), requires_grad=True)
+                message = Message(slot, 8, (value, torch.ones(3)))
+                transport.send(1, 5, third[slot] if round_ == 2 else message)
+                continue
+            pending = transport.recv(0, 5, slot)
+            predicted = pending.expected is not None
+            message = pending.wait(30)
+            fast = bool(pending.views) and message.tensors is pending.views
+            if round_ < 2:
+                continue
+            tensors = [
+                None if t is None else (t.dtype, tuple(t.shape), t.requires_grad, t.sum().item())
+                for t in message.tensors
+            ]
+            got.append((message.microbatch, message.microbatches, message.error, tensors))
+            got.append((predicted, fast))
+        transport.flush(30)
+        torch.distributed.barrier()
+    return got

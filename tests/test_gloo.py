@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from gloo_workers import (
     check_errors,
     directions,
     dropout,
+    expected_headers,
     failure,
     features,
     message_sizes,
@@ -168,3 +170,24 @@ def test_large_messages_go_separate_and_small_ones_packed() -> None:
     sizes = [16, 16, PACK_LIMIT, PACK_LIMIT, 16, 16]
     assert got == [(size, float(n)) for n, size in enumerate(sizes)]
     assert capacity <= PACK_LIMIT  # a 1 MiB message never made a receive buffer that large
+
+
+def test_messages_that_match_the_channels_last_header_skip_decoding() -> None:
+    got = run_ranks(expected_headers, 2, timeout=60)[1]
+    messages, paths = got[0::2], got[1::2]
+    f32, f64 = torch.float32, torch.float64
+    want = [
+        (0, 8, None, [(f32, (4, 16), True, 0.0), (f32, (3,), False, 3.0)]),
+        (1, 8, None, [(f32, (4, 16), True, 64.0), (f32, (3,), False, 3.0)]),
+        (2, 8, None, [(f32, (2, 16), True, 64.0), (f32, (3,), False, 3.0)]),
+        (3, 8, None, [(f32, (4, 16), False, 192.0), (f32, (3,), False, 3.0)]),
+        (4, 8, None, [(f64, (4, 16), False, 256.0), (f32, (3,), False, 3.0)]),
+        (5, 8, None, [None, (f32, (3,), False, 3.0)]),
+        (6, 8, "stage 0 failed in 0F6", []),
+        (7, 9, None, [None, (f32, (3,), False, 21.0)]),
+    ]
+    assert messages == want
+    # every receive of the third round expected the channel's last packed header; only the
+    # messages that have it (the micro-batch fields aside) took the short way: slot 7 has the
+    # header of slot 5 (the last packed one before it; the float64 one went separate)
+    assert paths == [(True, True), (True, True)] + [(True, False)] * 5 + [(True, True)]
