@@ -220,6 +220,34 @@ def test_2bw_steps_are_traced_as_the_windows_of_the_stream(
 
 
 @pytest.mark.slow
+def test_2bw_with_lookahead_is_traced_as_its_own_windows(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    from spawn import run_ranks
+
+    directory = tmp_path_factory.mktemp("trace2bw2") / "run"
+    results = run_ranks(traced_two_bw, 3, str(directory), 3, 1, 2, timeout=240)
+    assert all(math.isnan(v[0]) and v[1:] == results[0][1:] and len(v) == 4 for v in results)
+    losses = results[0]
+    steps = load_steps(directory)
+    keys = ["4/2bw-lookahead2-first", "4/2bw-lookahead2", "4/2bw-lookahead2"]
+    assert [s.plan for s in steps] == [*keys, "4/2bw-lookahead2-drain"]
+    # each rank ran its window of the lookahead-2 stream (rank 0 runs 4 forwards before its
+    # first backward, not 1F1B's 2), and each window's ideal lists the same actions
+    cut = windows(lower(two_bw(3, 4, batches=3, lookahead=2)), 3, 4, 3, lookahead=2)
+    plans = load_plans(directory)
+    for s in steps:
+        ideal = s.ideal(plans[s.plan])
+        for rank in range(3):
+            ran = [n for n, _, _ in s.ranks[rank].events if n[0].isdigit()]
+            assert ran == [str(a) for a in cut[rank][s.step]], (s.step, rank)
+            assert [n for n, _, _ in ideal.timeline[rank]] == ran, (s.step, rank)
+    first = [n for n, _, _ in steps[0].ranks[0].events if n[0].isdigit() and "F" in n[1:3]]
+    assert first[:4] == ["0F0", "0F1", "0F2", "0F3"]
+    assert [s.loss for s in steps[1:]] == pytest.approx(losses[1:], rel=1e-6)
+
+
+@pytest.mark.slow
 def test_2bw_trace_files_tensorboard_and_chrome(two_bw_run: tuple[Path, list[float]]) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

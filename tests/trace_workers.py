@@ -57,15 +57,17 @@ def traced_run(rank: int, world: int, directory: str, steps: int, every: int, ch
     return losses
 
 
-def traced_two_bw(rank: int, world: int, directory: str, steps: int, every: int) -> Any:
-    """``steps`` steps of the sleep workload under ``schedule="2bw"`` (one layer per rank,
-    chunks 4) traced into ``directory``, then ``close()`` (which drains); returns what every
-    step and the drain returned."""
+def traced_two_bw(
+    rank: int, world: int, directory: str, steps: int, every: int, lookahead: int = 1
+) -> Any:
+    """``steps`` steps of the sleep workload under ``schedule="2bw"`` with ``lookahead`` (one
+    layer per rank, chunks 4) traced into ``directory``, then ``close()`` (which drains);
+    returns what every step and the drain returned."""
     torch.manual_seed(0)
     model = nn.Sequential(*[Sleep() for _ in range(world)])
     pipe = AsyncPipe(
         model, [1] * world, chunks=4, checkpoint="never", timeout=60, schedule="2bw",
-        trace=directory, trace_every=every,
+        lookahead=lookahead, trace=directory, trace_every=every,
     )  # fmt: skip
     optimizer = torch.optim.SGD(pipe.parameters(), lr=0.01)
     generator = torch.Generator().manual_seed(1)
