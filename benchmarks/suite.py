@@ -19,7 +19,8 @@ from . import suite_runs as runs
 from .gpu import SHARED_GPU_NOTE, placement
 from .launch import REPO_ROOT
 from .peers import fairscale_version
-from .schedules import MEMORY_HEADER, MemoryRow, memory_cells
+from .schedule_report import MEMORY_HEADER, memory_cells
+from .schedule_results import MemoryRow
 from .sections import load, provenance, write_section
 from .suite_report import (
     REFERENCE_HEADER,

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from .schedules import LABELS, MATCH, _markdown, _ms, _text, _x
+from .schedule_report import LABELS, format_markdown, format_ms, format_ratio, format_text
+from .schedule_results import MATCH
 from .suite_runs import LINKS, SuiteRow
 
 __all__ = [
@@ -62,7 +63,7 @@ def _ratio_to(rows: dict[tuple[int, int, str], SuiteRow], row: SuiteRow, peer: s
     other = rows.get((row.stages, row.chunks, f"{peer}/{LINKS[peer]}"))
     if other is None or other.step_s is None or row.step_s is None:
         return "-"
-    return _x(row.step_s / other.step_s)
+    return format_ratio(row.step_s / other.step_s)
 
 
 def _failed(error: str) -> str:
@@ -93,9 +94,9 @@ def reference_cells(rows: list[SuiteRow]) -> list[list[str]]:
                 str(row.chunks),
                 _label(row),
                 row.transport,
-                _ms(row.step_s) if row.error is None else _failed(row.error),
-                _ms(row.simulated_s),
-                _x(row.vs_simulated),
+                format_ms(row.step_s) if row.error is None else _failed(row.error),
+                format_ms(row.simulated_s),
+                format_ratio(row.vs_simulated),
                 *ratios,
                 _mib(row.memory),
                 " / ".join(map(str, row.peak_activations)) or "-",
@@ -116,8 +117,8 @@ def summary_cells(rows: list[SuiteRow]) -> list[list[str]]:
         mine_s = None if mine is None else mine.step_s
         ratio = "-"
         if mine_s is not None and row.step_s is not None:
-            ratio = _x(mine_s / row.step_s)
-        theirs = _ms(row.step_s) if row.error is None else _failed(row.error)
+            ratio = format_ratio(mine_s / row.step_s)
+        theirs = format_ms(row.step_s) if row.error is None else _failed(row.error)
         cells.append(
             [
                 _label(row),
@@ -125,7 +126,7 @@ def summary_cells(rows: list[SuiteRow]) -> list[list[str]]:
                 str(row.chunks),
                 theirs,
                 f"{LABELS[ours]} over {transport}",
-                _ms(mine_s),
+                format_ms(mine_s),
                 ratio,
             ]
         )
@@ -134,7 +135,7 @@ def summary_cells(rows: list[SuiteRow]) -> list[list[str]]:
 
 def markdown_table(header: list[str], cells: list[list[str]]) -> str:
     """A markdown table (``|`` in cells escaped)."""
-    return _markdown(header, cells)
+    return format_markdown(header, cells)
 
 
 def text_table(header: list[str], cells: list[list[str]]) -> str:
@@ -149,7 +150,7 @@ def text_table(header: list[str], cells: list[list[str]]) -> str:
                 notes.append(f"[{len(notes) + 1}] {where}: {cell}")
                 line[i] = f"FAILED [{len(notes)}]"
         short.append(line)
-    return "\n".join([_text(header, short), *notes])
+    return "\n".join([format_text(header, short), *notes])
 
 
 # ----- the bar chart ---------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import gpt, schedules
+from . import gpt, schedule_results, schedules
 from .gpu import SHARED_GPU_PEERS
 from .launch import launch_workers
 from .peers import FAIRSCALE
@@ -97,7 +97,7 @@ LINKS = {**{p: "gloo" for p in TORCH_PEERS}, "fairscale-asyncpipe": "rpc", "fair
 """How each peer's stages talk (fairscale's Pipe is one process: its stages share memory)."""
 
 
-def _suite_row(row: schedules.Row, stages: int, transport: str) -> SuiteRow:
+def _suite_row(row: schedule_results.Row, stages: int, transport: str) -> SuiteRow:
     return SuiteRow(
         stages,
         row.chunks,
@@ -144,7 +144,7 @@ def run_reference(
             )
             rows = schedules.run_timing(sub, costs, work / f"{stages}-{n}")
             # Now the peers' recorded plans are known: simulate them too.
-            schedules.simulate_rows([r for r in rows if r.error is None], sub, costs)
+            schedule_results.simulate_rows([r for r in rows if r.error is None], sub, costs)
             found += [_suite_row(row, stages, transport) for row in rows]
         if shared_gpu:
             found += [
@@ -179,7 +179,7 @@ def _peer_ideals(rows: list[SuiteRow]) -> None:
 
 def run_memory(
     args: argparse.Namespace, costs: LayerCosts, work: Path
-) -> list[schedules.MemoryRow]:
+) -> list[schedule_results.MemoryRow]:
     """asyncpipe's schedules one at a time on the transfer-heavy shape: peak memory per rank."""
     stages = max(args.stage_list)
     sub = _schedule_args(args, stages, memory_list=list(ASYNCPIPE), sample_memory=False)
