@@ -6,10 +6,13 @@ TensorPipe) and prints a table; ``--markdown docs/transports.md`` also writes it
 
 Bandwidth: rank 0 sends ``--messages`` tensors of one shape to rank 1, one direction, with no
 compute in between; rank 1 times from its first message to its last. ``raw`` is
-``torch.distributed.send``/``recv`` of the bare tensor (the limit on this machine), ``p2p`` and
+``torch.distributed.isend``/``irecv`` of the bare tensor (the limit on this machine), ``p2p`` and
 ``rpc`` are asyncpipe's transports carrying the same tensor in a message, receives posted ahead
-as the runtime posts them. Step time: ``AsyncPipe(schedule="1f1b")`` on the reference workload
-(8 sleep layers, F ms forward) with each transport.
+as the runtime posts them. Each method runs ``--trials`` bursts, the methods taking turns; the
+table gives the best burst of each (the least disturbed by the machine) and the ratios of the
+medians beside. Step time: ``AsyncPipe`` with the GPipe, 1F1B and zero-bubble schedules on the
+reference workload (8 sleep layers, F ms forward) over each transport, and fairscale's
+``AsyncPipe`` (fill-drain, over RPC) on the same workload.
 """
 
 from __future__ import annotations
@@ -159,20 +162,28 @@ def worker(args: argparse.Namespace) -> int:
     ):
         count = args.messages if label == "small" else max(args.messages // 10, 20)
         transports: dict[str, Any] = {}
-        for method in ("raw", "p2p", "rpc"):
+        methods = ("raw", "p2p", "rpc")
+        for method in methods:
             _bandwidth(method, shape, 2 * SLOTS, transports, device)  # warm up: slots learn
-            seconds = _bandwidth(method, shape, count, transports, device)  # their sizes
-            if seconds is not None:
+        trials: dict[str, list[float]] = {method: [] for method in methods}  # their sizes
+        for trial in range(args.trials):  # the methods take turns, against drifts
+            for method in methods[trial % 3 :] + methods[: trial % 3]:
+                seconds = _bandwidth(method, shape, count, transports, device)
+                if seconds is not None:
+                    trials[method].append(seconds)
+        for method, seconds in trials.items():
+            if seconds:
                 size = 4 * int(torch.Size(shape).numel())
                 # count - 1 messages arrived after the first one started the clock
                 record["bandwidth"][f"{label}-{method}"] = {
                     "bytes": size,
                     "messages": count,
-                    "seconds": seconds,
-                    "bytes_per_s": size * (count - 1) / seconds,
+                    "seconds": min(seconds),
+                    "bytes_per_s": size * (count - 1) / min(seconds),
+                    "median_bytes_per_s": size * (count - 1) / statistics.median(seconds),
                 }
     if dist.get_world_size() >= 2 and not args.bandwidth_only:
-        for schedule in ("gpipe", "1f1b"):
+        for schedule in ("gpipe", "1f1b", "zero_bubble"):
             for transport in ("p2p", "rpc"):
                 record["steps"][f"asyncpipe {schedule} over {transport}"] = _step_time(
                     transport, args.f_ms, args.chunks, args.steps, schedule
@@ -191,8 +202,9 @@ def worker(args: argparse.Namespace) -> int:
 def bandwidth_table(bandwidth: dict[str, dict[str, float]], micro_batch: int) -> str:
     """The markdown table of a bandwidth record (rank 1's ``record["bandwidth"]``)."""
     lines = [
-        "| shape | bytes | raw send/recv | p2p | rpc | p2p / raw | rpc / raw |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| shape | bytes | raw send/recv | p2p | rpc | p2p / raw | rpc / raw | medians: p2p, rpc "
+        "/ raw |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for label in ("small", "large"):
         shape = (micro_batch, *SHAPES[label])
@@ -201,10 +213,14 @@ def bandwidth_table(bandwidth: dict[str, dict[str, float]], micro_batch: int) ->
         def rate(entry: dict[str, float]) -> str:
             return f"{entry['bytes_per_s'] / 2**20:.0f} MiB/s"
 
+        def median(entry: dict[str, float]) -> float:
+            return entry.get("median_bytes_per_s", entry["bytes_per_s"])
+
         lines.append(
             f"| {shape} | {raw['bytes']} | {rate(raw)} | {rate(p2p)} | {rate(rpc)} | "
             f"{p2p['bytes_per_s'] / raw['bytes_per_s']:.2f} | "
-            f"{rpc['bytes_per_s'] / raw['bytes_per_s']:.2f} |"
+            f"{rpc['bytes_per_s'] / raw['bytes_per_s']:.2f} | "
+            f"{median(p2p) / median(raw):.2f} / {median(rpc) / median(raw):.2f} |"
         )
     return "\n".join(lines)
 
@@ -220,9 +236,10 @@ def _table(records: list[dict[str, Any]], args: argparse.Namespace) -> str:
         "",
         f"Reference workload, {world} processes, chunks {args.chunks}, F = {args.f_ms} ms, no "
         f"activation checkpointing (GPipe and 1F1B nominal ideal {ideal * 1e3:.0f} ms). "
-        f"fairscale's AsyncPipe runs fill-drain (GPipe), so compare it with the GPipe rows:",
+        f"fairscale's AsyncPipe runs fill-drain (GPipe), so the GPipe rows are the like-for-like "
+        f"comparison; the others are what one argument (schedule=...) gives on the same workload:",
         "",
-        "| system | median step | best step | median / nominal ideal | fairscale / this |",
+        "| system | median step | best step | median / GPipe's nominal ideal | fairscale / this |",
         "|---|---:|---:|---:|---:|",
     ]
     peer = steps["fairscale AsyncPipe over rpc"]
@@ -249,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--processes", type=int, default=4, help="processes for the step time")
     parser.add_argument("--micro-batch", type=int, default=8, help="rows of a message")
     parser.add_argument("--messages", type=int, default=400, help="messages of the small shape")
+    parser.add_argument(
+        "--trials", type=int, default=5, help="timed bursts per method and shape (best reported)"
+    )
     parser.add_argument("--f-ms", type=float, default=5.0, help="forward sleep per layer (ms)")
     parser.add_argument("--chunks", type=int, default=8, help="micro-batches per step")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per transport")
