@@ -401,8 +401,7 @@ def main() -> None:
             f"trace: {where} (tensorboard --logdir {where}; python -m asyncpipe.trace {where}; "
             f"Chrome trace {where / 'trace.json'})"
         )
-    dist.barrier()  # every rank is done before any tears the process group down
-    dist.destroy_process_group()
+    asyncpipe.shutdown()  # meets every rank, then ends the process group (docs: reliability)
 
 
 if __name__ == "__main__":
