@@ -127,7 +127,7 @@ class Compute:
             if self.owners[dest] == self.rank:  # hand over: no message
                 work.skip_feed.setdefault((dest, i), {}).update((k, stashed[k]) for k in keys)
         if i in work.losses and seg == self.last:
-            work.loss_sum += float(work.losses[i].detach())
+            work.loss_parts.append(work.losses[i].detach())  # read once a step
 
     def _wants_grad(self, seg: int, x: Tensors, skips: Skips) -> bool:
         if any(t.requires_grad for t in x):

@@ -290,7 +290,7 @@ class Runtime(Compute):
         else settle the sends. A failed rank does not wait for the others' news."""
         # loss, outcome, failed stage, micro-batch, rank, stop asked, input rows, target
         # rows, failed action's kind (-1: none or unknown)
-        status = [work.loss_sum if work else 0.0, _OK, -1.0, -1.0, -1.0]
+        status = [work.local_loss() if work else 0.0, _OK, -1.0, -1.0, -1.0]
         if failure is not None:
             status[1] = _RELAYED if failure.relayed else _FAILED
             status[2:5] = [float(failure.stage), float(failure.microbatch), float(failure.rank)]

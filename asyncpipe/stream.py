@@ -125,7 +125,7 @@ class Stream:
         )
         owed = {(a.stage, a.microbatch) for a in window if a.kind is Kind.FORWARD}
         owed -= {(a.stage, a.microbatch) for a in window if a.kind is Kind.BACKWARD}
-        status = [work.loss_sum, _OK, float(self.runtime.stop_requested)]
+        status = [work.local_loss(), _OK, float(self.runtime.stop_requested)]
         self._send_news(status)
         loss = math.nan
         if self.previous is not None:

@@ -75,5 +75,16 @@ class Work:
     skip_grads: dict[tuple[int, int], Skips] = field(default_factory=dict)
     skip_back: dict[tuple[int, int], Skips] = field(default_factory=dict)
     loss_sum: float = 0.0
+    loss_parts: list[Tensor] = field(default_factory=list)
+    """Micro-batch losses not yet added to ``loss_sum`` (see :meth:`local_loss`)."""
     live: int = 0
     peak: int = 0
+
+    def local_loss(self) -> float:
+        """The sum of this rank's micro-batch losses so far. The forwards only collect them:
+        reading a loss's value waits for the device, so it is done here, once a step."""
+        if self.loss_parts:
+            total = sum(part.reshape(()).double() for part in self.loss_parts)
+            self.loss_sum += float(total)
+            self.loss_parts = []
+        return self.loss_sum

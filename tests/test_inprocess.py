@@ -350,3 +350,35 @@ def test_loss_without_target_gets_none() -> None:
     want, _ = reference(model, x, torch.zeros(4, 8), 2, lambda o, t: o.pow(2).mean())
     assert results[0][0] == pytest.approx(want, rel=1e-6)
     assert seen == [None, None]
+
+
+def test_the_last_stage_reads_its_losses_once_a_step() -> None:
+    """Reading a loss's value waits for the device (on a GPU it stalls the host), so the last
+    stage collects the micro-batch losses and reads their sum once, when the step ends."""
+
+    class Counted(Tensor):
+        reads = 0
+
+        @classmethod
+        def __torch_function__(
+            cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            if func in (Tensor.__float__, Tensor.item, Tensor.tolist):
+                cls.reads += 1
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    model = mlp(2)
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    want_loss, _ = reference(model, x, y, 4, mse)
+
+    def counted(output: Tensor, target: Tensor) -> Tensor:
+        return mse(output, target).as_subclass(Counted)
+
+    def fn(rank: int, transport: Transport) -> float:
+        pipe = AsyncPipe(model, [1, 1], chunks=4, transport=transport, timeout=10)
+        return pipe.step(x, y, counted)
+
+    losses = values(run_threads(fn, 2))
+    assert losses == pytest.approx([want_loss] * 2, rel=1e-6)
+    assert Counted.reads == 1  # one step of 4 micro-batches: one read
