@@ -280,3 +280,46 @@ def test_skips_with_deferred_batch_norm(
     state = model.state_dict()  # the pipes hold the caller's layers, converted in place
     for key, value in want_stats.items():
         torch.testing.assert_close(state[key], value, msg=key)
+
+
+def test_probes_in_two_threads_keep_the_warning_filters() -> None:
+    """Ranks as threads probe their LazyModules on the meta device at once; silencing the
+    probes' warnings must neither let one escape nor leave the process's filters changed."""
+    import threading
+    import warnings
+
+    from asyncpipe.skip.verify import probe
+
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+
+    def first() -> nn.Module:
+        first_in.set()
+        second_in.wait(1.0)  # with probes one at a time, the second cannot get in meanwhile
+        return nn.Linear(2, 2)
+
+    def second() -> nn.Module:
+        second_in.set()
+        first_out.wait(5.0)
+        warnings.warn("loading weights into meta tensors is a no-op", UserWarning, stacklevel=1)
+        return nn.Linear(2, 2)
+
+    def run_first() -> None:
+        probe(LazyModule(first), 0)
+        first_out.set()
+
+    def run_second() -> None:
+        first_in.wait(5.0)
+        probe(LazyModule(second), 1)
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        before = list(warnings.filters)
+        threads = [threading.Thread(target=run_first), threading.Thread(target=run_second)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10.0)
+        after = list(warnings.filters)
+    assert not any(t.is_alive() for t in threads)
+    assert [str(w.message) for w in seen] == []  # the probe's warning stayed silent
+    assert after == before  # and no probe left "ignore" behind

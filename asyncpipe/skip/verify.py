@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Iterable, Sequence
 
@@ -13,6 +14,11 @@ from .layer import Skippable
 from .namespace import SkipKey, describe
 
 __all__: list[str] = []
+
+_PROBING = threading.Lock()
+"""Held while a probe silences warnings: ``warnings.catch_warnings`` swaps the process's filters,
+so two probes at once (ranks as threads of one process) would restore each other's and leak
+"ignore" or lose it."""
 
 
 def declarations(layer: object) -> tuple[list[SkipKey], list[SkipKey]]:
@@ -30,7 +36,7 @@ def probe(layer: object, position: int) -> object:
     if layer.built:
         return layer.build()
     try:
-        with torch.device("meta"), warnings.catch_warnings():
+        with _PROBING, torch.device("meta"), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # e.g. loading weights into meta tensors is a no-op
             return layer.function()
     except Exception as e:
