@@ -152,19 +152,22 @@ def unpack(buffer: Tensor, fields: Sequence[int]) -> list[Tensor | None]:
     """The tensors of a packed message (views into ``buffer``), given its header fields."""
     specs = _specs(fields)
     offsets, _ = layout(len(fields), specs)
-    return _views(buffer, specs, offsets)
+    return _views(buffer, specs, offsets, grad=False)
 
 
-def _views(buffer: Tensor, specs: Sequence[Spec], offsets: Sequence[int]) -> list[Tensor | None]:
-    """Views into ``buffer`` of the tensors ``specs`` describes, at ``offsets``, each requiring
-    grad as its spec says."""
+def _views(
+    buffer: Tensor, specs: Sequence[Spec], offsets: Sequence[int], grad: bool
+) -> list[Tensor | None]:
+    """Views into ``buffer`` of the tensors ``specs`` describes, at ``offsets``; with ``grad``,
+    each requiring grad as its spec says (only where they are the tensors received: a copy to
+    another device must be made from views that do not)."""
     tensors: list[Tensor | None] = []
     for (code, requires_grad, shape), offset in zip(specs, offsets):
         if code < 0:
             tensors.append(None)
             continue
         data = buffer[offset : offset + _nbytes(code, shape)].view(_DTYPES[code]).view(shape)
-        tensors.append(data.requires_grad_(True) if requires_grad else data)
+        tensors.append(data.requires_grad_(True) if grad and requires_grad else data)
     return tensors
 
 
@@ -281,12 +284,12 @@ class _P2PRecv(PendingRecv):
         # The message this channel sent last time, if this one fits packed: its tensors' views
         # are made now, while the rank has nothing better to do, and wait() only checks that
         # the header is the expected one (see _Expected).
-        self.expected = transport.expected.get((src, channel))
+        expected = transport.expected.get((src, channel))
+        self.expected = expected if expected is not None and expected.total <= capacity else None
         self.views: tuple[Tensor | None, ...] = ()
-        if self.expected is not None and self.expected.total <= capacity:
-            self.views = tuple(_views(self.buffer, self.expected.specs, self.expected.offsets))
-        else:
-            self.expected = None
+        if self.expected is not None:
+            specs, offsets = self.expected.specs, self.expected.offsets
+            self.views = tuple(_views(self.buffer, specs, offsets, grad=True))
 
     def _wait(self, work: dist.Work | None, timeout: float, what: str) -> None:
         assert work is not None  # point-to-point operations always return a Work
@@ -345,7 +348,7 @@ class _P2PRecv(PendingRecv):
         if transport.wire != transport.device:
             tensors = [t if t is None else t.to(transport.device) for t in tensors]
         for tensor, (_, requires_grad, _) in zip(tensors, specs):
-            if tensor is not None and requires_grad and not tensor.requires_grad:
+            if tensor is not None and requires_grad:
                 tensor.requires_grad_(True)
         return Message(microbatch, microbatches, tuple(tensors))
 
