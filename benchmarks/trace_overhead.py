@@ -83,10 +83,10 @@ def worker(args: argparse.Namespace) -> None:
     blocks = {"plain": [], "traced": []}
     spent.clear()
     writing.clear()
-    pairs = ((plain, "plain"), (traced, "traced"))
     for n in range(args.rounds):  # alternate which goes first, against drifts of the machine
-        for k in (0, 1) if n % 2 == 0 else (1, 0):
-            block(*pairs[k], args.steps)
+        first, second = ((plain, "plain"), (traced, "traced"))[:: 1 if n % 2 == 0 else -1]
+        block(*first, args.steps)
+        block(*second, args.steps)
     traced.close()
     costs: list[list[float]] = [[] for _ in range(4)]
     torch.distributed.all_gather_object(costs, spent)

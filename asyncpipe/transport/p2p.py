@@ -268,11 +268,11 @@ class _Expected:
     offsets: list[int]
 
     @classmethod
-    def of(cls, fields: Sequence[int]) -> _Expected:
+    def of(cls, fields: Sequence[int], specs: list[Spec], offsets: list[int]) -> _Expected:
+        """The expectation of a packed message with header ``fields`` (decoded: ``specs``,
+        ``offsets``)."""
         raw = array("q", fields).tobytes()
-        specs = _specs(fields)
-        offsets, total = layout(len(fields), specs)
-        return cls(raw[:24], raw[40:], len(raw), total, specs, offsets)
+        return cls(raw[:24], raw[40:], len(raw), fields[5], specs, offsets)
 
 
 class _P2PRecv(PendingRecv):
@@ -329,9 +329,11 @@ class _P2PRecv(PendingRecv):
         key = (self.src, self.channel, self.slot)
         tensors: list[Tensor | None] = []
         if kind == _PACKED:
-            tensors = unpack(self.buffer, fields)
+            offsets, _ = layout(len(fields), specs)
+            tensors = _views(self.buffer, specs, offsets, grad=False)
             if transport.expects:
-                transport.expected[(self.src, self.channel)] = _Expected.of(fields)
+                expected = _Expected.of(fields, specs, offsets)
+                transport.expected[(self.src, self.channel)] = expected
         else:
             works = []
             for code, _, shape in specs:
