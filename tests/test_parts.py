@@ -9,8 +9,7 @@ from torch import nn
 from asyncpipe.microbatch import gather, scatter
 from asyncpipe.partition import Invocation, Location, partition
 from asyncpipe.transport import Message
-from asyncpipe.transport.p2p import (
-    _completed,
+from asyncpipe.transport.frame import (
     decode_header,
     encode_header,
     layout,
@@ -18,6 +17,7 @@ from asyncpipe.transport.p2p import (
     read_fields,
     unpack,
 )
+from asyncpipe.transport.p2p import _completed
 
 
 def test_partition_without_reuse() -> None:

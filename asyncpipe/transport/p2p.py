@@ -41,180 +41,30 @@ from torch import Tensor
 
 from ..group import GroupRef
 from .base import Message, PendingRecv, Transport, TransportTimeout
+from .frame import (
+    DTYPES,
+    ERROR,
+    HEADER_BYTES,
+    HEADER_SIZE,
+    PACK_LIMIT,
+    PACKED,
+    SEPARATE,
+    Spec,
+    decode_header,
+    encode,
+    error_header,
+    error_text,
+    layout,
+    pack,
+    read_fields,
+    views,
+)
 
 __all__: list[str] = []
 
-HEADER_SIZE = 256
-HEADER_BYTES = 8 * HEADER_SIZE
-PACK_LIMIT = 256 * 1024
-_ALIGN = 64
 _SPARE_BUFFERS = 32
 """Packed buffers of one size kept for reuse once their sends completed (a fresh buffer's
 pages are touched for the first time by the copy, which costs more than the copy)."""
-_MAGIC = 0x41505031
-_PACKED, _ERROR, _SEPARATE = 0, 1, 2
-_DTYPES: list[torch.dtype] = [
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
-]  # fmt: skip
-_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
-
-Spec = tuple[int, bool, list[int]]
-
-
-def _aligned(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
-_ITEMSIZE = [torch.empty((), dtype=dtype).element_size() for dtype in _DTYPES]
-
-
-def _nbytes(code: int, shape: Sequence[int]) -> int:
-    size = _ITEMSIZE[code]
-    for d in shape:
-        size *= d
-    return size
-
-
-def layout(fields: int, specs: Sequence[Spec]) -> tuple[list[int], int]:
-    """Byte offsets of the tensors in a packed message, and its total size."""
-    offset = _aligned(8 * fields)
-    offsets = []
-    for code, _, shape in specs:
-        offsets.append(offset)
-        if code >= 0:
-            offset = _aligned(offset + _nbytes(code, shape))
-    return offsets, offset
-
-
-def encode_header(message: Message, payload: Sequence[Tensor | None]) -> list[int]:
-    """The header fields of ``message``: magic, field count, kind, micro-batch, micro-batches,
-    total packed bytes, tensor count, then (dtype code, requires_grad, ndim, *shape) each."""
-    return _encode(message, payload)[0]
-
-
-def _encode(message: Message, payload: Sequence[Tensor | None]) -> tuple[list[int], list[int]]:
-    """The header fields and the byte offset of every tensor in the packed message."""
-    specs: list[int] = []
-    for tensor in payload:
-        if tensor is None:
-            specs += [-1, 0, 0]
-            continue
-        if tensor.dtype not in _CODES:
-            raise TypeError(
-                f"cannot send a tensor of dtype {tensor.dtype} between stages; supported: "
-                + ", ".join(str(d) for d in _DTYPES)
-            )
-        specs += [_CODES[tensor.dtype], int(tensor.requires_grad), tensor.dim(), *tensor.shape]
-    count = 7 + len(specs)
-    if count > HEADER_SIZE:
-        raise ValueError(
-            f"too many tensors or dimensions cross one stage boundary for a message header "
-            f"({len(payload)} tensors need {count} header fields, at most {HEADER_SIZE}); "
-            f"stack tensors together before the boundary"
-        )
-    fields = [_MAGIC, count, _PACKED, message.microbatch, message.microbatches, 0, len(payload)]
-    fields += specs
-    offsets, fields[5] = layout(count, _specs(fields))
-    return fields, offsets
-
-
-def pack(
-    fields: Sequence[int],
-    offsets: Sequence[int],
-    payload: Sequence[Tensor | None],
-    buffer: Tensor | None = None,
-) -> Tensor:
-    """One host-memory message holding the header ``fields`` and the tensors at ``offsets``,
-    in ``buffer`` (``fields[5]`` bytes of uint8, reused) or a new one.
-
-    Host tensors are copied with one ``memmove`` each rather than through torch's dispatcher:
-    a message of a few KiB costs a handful of microseconds instead of tens, which matters on
-    the critical path of every pipeline hop."""
-    if buffer is None:
-        buffer = torch.empty(fields[5], dtype=torch.uint8)
-    base = buffer.data_ptr()
-    header = array("q", fields).tobytes()
-    ctypes.memmove(base, header, len(header))
-    for tensor, offset in zip(payload, offsets):
-        if tensor is None:
-            continue
-        if tensor.device.type == "cpu" and not tensor.is_complex() and tensor.is_contiguous():
-            if tensor.numel():
-                ctypes.memmove(base + offset, tensor.data_ptr(), tensor.nbytes)
-        else:  # another device, a strided view, or a lazily conjugated complex tensor
-            flat = tensor.detach().resolve_conj().contiguous().view(-1).view(torch.uint8)
-            buffer[offset : offset + flat.numel()].copy_(flat)
-    return buffer
-
-
-def unpack(buffer: Tensor, fields: Sequence[int]) -> list[Tensor | None]:
-    """The tensors of a packed message (views into ``buffer``), given its header fields."""
-    specs = _specs(fields)
-    offsets, _ = layout(len(fields), specs)
-    return _views(buffer, specs, offsets, grad=False)
-
-
-def _views(
-    buffer: Tensor, specs: Sequence[Spec], offsets: Sequence[int], grad: bool
-) -> list[Tensor | None]:
-    """Views into ``buffer`` of the tensors ``specs`` describes, at ``offsets``; with ``grad``,
-    each requiring grad as its spec says (only where they are the tensors received: a copy to
-    another device must be made from views that do not)."""
-    tensors: list[Tensor | None] = []
-    for (code, requires_grad, shape), offset in zip(specs, offsets):
-        if code < 0:
-            tensors.append(None)
-            continue
-        data = buffer[offset : offset + _nbytes(code, shape)].view(_DTYPES[code]).view(shape)
-        tensors.append(data.requires_grad_(True) if grad and requires_grad else data)
-    return tensors
-
-
-def read_fields(buffer: Tensor) -> list[int]:
-    """The header fields at the start of a received host-memory message (checked)."""
-    base = buffer.data_ptr()
-    head = list((ctypes.c_int64 * 2).from_address(base))
-    if head[0] != _MAGIC or not 7 <= head[1] <= HEADER_SIZE:
-        decode_header(head)  # raises the explanation
-    return list((ctypes.c_int64 * head[1]).from_address(base))
-
-
-def _specs(fields: Sequence[int]) -> list[Spec]:
-    specs, n = [], 7
-    for _ in range(fields[6]):
-        code, requires_grad, ndim = fields[n : n + 3]
-        specs.append((code, bool(requires_grad), list(fields[n + 3 : n + 3 + ndim])))
-        n += 3 + ndim
-    return specs
-
-
-def decode_header(fields: Sequence[int]) -> tuple[int, int, int, int, list[Spec]]:
-    """Read (kind, microbatch, microbatches, total bytes, specs) from header fields."""
-    if fields[0] != _MAGIC:
-        raise RuntimeError(
-            "received a message that is not an asyncpipe header: are two pipelines (or other "
-            "point-to-point traffic) sharing the same process group and tags?"
-        )
-    return fields[2], fields[3], fields[4], fields[5], _specs(fields)
-
-
-def _error_header(message: Message) -> Tensor:
-    """A header-only message whose fields after the seventh hold the error text, 7 bytes each."""
-    assert message.error is not None
-    text = message.error.encode("utf-8")[: 7 * (HEADER_SIZE - 7)]
-    chunks = [int.from_bytes(text[n : n + 7], "little") for n in range(0, len(text), 7)]
-    fields = [_MAGIC, 7 + len(chunks), _ERROR, message.microbatch, message.microbatches]
-    fields += [len(text), 0, *chunks]
-    header = torch.zeros(HEADER_SIZE, dtype=torch.int64)
-    header[: len(fields)] = torch.tensor(fields)
-    return header
-
-
-def _error_text(fields: Sequence[int]) -> str:
-    size = fields[5]
-    data = b"".join(v.to_bytes(7, "little") for v in fields[7:])
-    return data[:size].decode("utf-8", "replace") or "unknown failure"
 
 
 def _gist(text: str) -> str:
@@ -289,7 +139,7 @@ class _P2PRecv(PendingRecv):
         self.views: tuple[Tensor | None, ...] = ()
         if self.expected is not None:
             specs, offsets = self.expected.specs, self.expected.offsets
-            self.views = tuple(_views(self.buffer, specs, offsets, grad=True))
+            self.views = tuple(views(self.buffer, specs, offsets, grad=True))
 
     def _wait(self, work: dist.Work | None, timeout: float, what: str) -> None:
         assert work is not None  # point-to-point operations always return a Work
@@ -322,15 +172,15 @@ class _P2PRecv(PendingRecv):
         fields = read_fields(
             self.buffer if self.buffer.device.type == "cpu" else self.buffer[:HEADER_BYTES].cpu()
         )
-        if fields[2] == _ERROR:
-            return Message(fields[3], fields[4], (), error=_error_text(fields))
+        if fields[2] == ERROR:
+            return Message(fields[3], fields[4], (), error=error_text(fields))
         kind, microbatch, microbatches, total, specs = decode_header(fields)
         transport = self.transport
         key = (self.src, self.channel, self.slot)
         tensors: list[Tensor | None] = []
-        if kind == _PACKED:
+        if kind == PACKED:
             offsets, _ = layout(len(fields), specs)
-            tensors = _views(self.buffer, specs, offsets, grad=False)
+            tensors = views(self.buffer, specs, offsets, grad=False)
             if transport.expects:
                 expected = _Expected.of(fields, specs, offsets)
                 transport.expected[(self.src, self.channel)] = expected
@@ -340,12 +190,12 @@ class _P2PRecv(PendingRecv):
                 if code < 0:
                     tensors.append(None)
                     continue
-                buffer = torch.empty(shape, dtype=_DTYPES[code], device=transport.wire)
+                buffer = torch.empty(shape, dtype=DTYPES[code], device=transport.wire)
                 works.append(transport.irecv(buffer, self.src, 2 * self.channel + 1))
                 tensors.append(buffer)
             for work in works:
                 self._wait(work, timeout, f"the tensors of micro-batch {microbatch}")
-            if kind == _SEPARATE:
+            if kind == SEPARATE:
                 transport.grow(key, total)
         if transport.wire != transport.device:
             tensors = [t if t is None else t.to(transport.device) for t in tensors]
@@ -482,7 +332,7 @@ class P2PTransport(Transport):
         )
         known = self._layouts.get(kinds)
         if known is None:
-            known = _encode(message, payload)
+            known = encode(message, payload)
             self._layouts[kinds] = known
         fields = list(known[0])
         fields[3], fields[4] = message.microbatch, message.microbatches
@@ -498,7 +348,7 @@ class P2PTransport(Transport):
     def send(self, dst: int, channel: int, message: Message) -> None:
         key = (dst, channel, message.microbatch)
         if message.error is not None:  # the text rides in the header: one message
-            self._isend(_error_header(message).view(torch.uint8).to(self.wire), key, 2 * channel)
+            self._isend(error_header(message).view(torch.uint8).to(self.wire), key, 2 * channel)
             return
         payload = list(message.tensors)
         fields, offsets = self._layout(message, payload)
@@ -506,7 +356,7 @@ class P2PTransport(Transport):
         if total <= self.capacity.get(key, HEADER_BYTES):  # packing is for gloo: host memory
             self._isend(self._pack(fields, offsets, payload), key, 2 * channel)
             return
-        fields[2] = _SEPARATE
+        fields[2] = SEPARATE
         self.grow(key, total)
         header = torch.zeros(HEADER_SIZE, dtype=torch.int64)
         header[: len(fields)] = torch.tensor(fields)
