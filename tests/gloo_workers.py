@@ -391,3 +391,105 @@ def expected_headers(rank: int, world: int) -> Any:
         transport.flush(30)
         torch.distributed.barrier()
     return got
+
+
+def early_tensors(rank: int, world: int) -> Any:
+    """Large messages of four slots over five rounds, each round's receives posted at once:
+    the first teaches each slot its sizes; later ones have their tensors' receives posted
+    before their header comes (two at a time), and take the tensors there when they fit the
+    slot's last sizes, or stand-ins and the tensors the long way when they do not (larger, more
+    tensors, packed). One receive is waited on out of turn. Every message must arrive as
+    sent."""
+    from asyncpipe.transport import Message
+    from asyncpipe.transport.p2p import PACK_LIMIT
+
+    big, small = PACK_LIMIT // 2, 16  # float32 elements: 512 KiB (goes separate) and 64 B
+    f64 = torch.float64
+
+    def message(round_: int, slot: int) -> Message:
+        value = float(10 * round_ + slot)
+        shapes: dict[tuple[int, int], list[tuple[int, torch.dtype]]] = {
+            (2, 0): [(big // 2, torch.float32)],  # smaller (still separate): fits
+            (2, 1): [(2 * big, torch.float32)],  # larger: does not fit
+            (2, 2): [(small, torch.float32)],  # small: goes packed
+            (2, 3): [(big, torch.float32), (small, torch.float32)],  # one tensor more
+            (3, 1): [(big // 2, f64)],  # another dtype, fits slot 1's last sizes
+            (4, 0): [],  # an error notice
+        }
+        if (round_, slot) == (4, 0):
+            return Message(slot, 4, (), error="stage 0 failed in 0F0")
+        return Message(
+            slot,
+            4,
+            tuple(
+                torch.full((n,), value + k, dtype=dtype, requires_grad=k == 0)
+                for k, (n, dtype) in enumerate(shapes.get((round_, slot), [(big, torch.float32)]))
+            ),
+        )
+
+    transport = P2PTransport()
+    got: list[Any] = []
+    for round_ in range(5):
+        slots = [0] if round_ == 4 else list(range(4))
+        if rank == 0:
+            for slot in slots:
+                transport.send(1, 5, message(round_, slot))
+            transport.flush(30)
+            torch.distributed.barrier()
+            continue
+        pending = {slot: transport.recv(0, 5, slot) for slot in slots}
+        posted = [pending[s].early is not None for s in slots]  # before any wait
+        order = [2, 0, 1, 3] if round_ == 1 else slots  # slot 2 out of turn
+        for slot in order:
+            receive = pending[slot]
+            had_record = receive.record is not None  # type: ignore[attr-defined]
+            received = receive.wait(30)
+            early = receive.early  # type: ignore[attr-defined]
+            sent = message(round_, slot)
+            same = received.error == sent.error and len(received.tensors) == len(sent.tensors)
+            for a, b in zip(received.tensors, sent.tensors):
+                assert a is not None and b is not None
+                same = same and a.dtype == b.dtype and a.requires_grad == b.requires_grad
+                same = same and torch.equal(a.detach(), b.detach())
+            into_early = bool(received.tensors) and early is not None
+            into_early = into_early and received.tensors[0].untyped_storage().data_ptr() == (
+                early[0].untyped_storage().data_ptr()
+            )
+            got.append((round_, slot, same, had_record, into_early))
+        got.append((round_, "posted before any wait", posted))
+        torch.distributed.barrier()
+    return got
+
+
+def large_steps(rank: int, world: int, schedules: tuple[str, ...]) -> Any:
+    """Several steps of every schedule with activations and gradients of 320 to 400 KiB per
+    micro-batch (each travels as a header and then its tensor; from the second step on into
+    buffers posted before the header, or, where a step's micro-batches are larger than the
+    last one's, the long way): loss and gradient errors against the plain model per step."""
+    out: dict[str, list[tuple[float, float]]] = {}
+    for schedule in schedules:
+        virtual = 2 if schedule == "interleaved" else 1
+        model = mlp(2 * world, width=512, seed=3)
+        pipe = AsyncPipe(
+            model,
+            [2 // virtual] * (world * virtual),
+            chunks=4,
+            timeout=30,
+            schedule=schedule,
+            virtual_stages=virtual,
+        )
+        first, last = pipe.is_first_stage, pipe.is_last_stage
+        out[schedule] = []
+        for step, rows in enumerate([160, 160, 200, 160]):  # rows per micro-batch
+            torch.manual_seed(100 + step)
+            x, y = torch.randn(4 * rows, 512), torch.randn(4 * rows, 512)
+            want_loss, grads = reference(model, x, y, 4, mse)
+            for p in pipe.parameters():
+                p.grad = None
+            loss = pipe.step(x if first else None, y if last else None, mse)
+            worst = _diff(pipe, dict(enumerate(grads)), model)
+            out[schedule].append((abs(loss - want_loss), worst))
+        transport = pipe.transport
+        assert isinstance(transport, P2PTransport)
+        out[schedule].append((float(len(transport.records)), 0.0))  # slots that post early
+    return out

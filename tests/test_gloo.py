@@ -8,9 +8,11 @@ from gloo_workers import (
     check_errors,
     directions,
     dropout,
+    early_tensors,
     expected_headers,
     failure,
     features,
+    large_steps,
     message_sizes,
     packed_reuse,
     settle,
@@ -170,6 +172,45 @@ def test_large_messages_go_separate_and_small_ones_packed() -> None:
     sizes = [16, 16, PACK_LIMIT, PACK_LIMIT, 16, 16]
     assert got == [(size, float(n)) for n, size in enumerate(sizes)]
     assert capacity <= PACK_LIMIT  # a 1 MiB message never made a receive buffer that large
+
+
+def test_large_messages_are_received_into_buffers_posted_before_their_header() -> None:
+    got = run_ranks(early_tensors, 2, timeout=90)[1]
+    every = [row for row in got if row[1] != "posted before any wait"]
+    assert all(same for _, _, same, _, _ in every), every  # every message arrived as sent
+    paths = {(r, s): (had, into) for r, s, _, had, into in every}
+    assert [paths[(0, s)] for s in range(4)] == [(False, False)] * 4  # sizes learnt
+    assert [paths[(1, s)] for s in range(4)] == [(True, True)] * 4  # all fit: taken early
+    # smaller fits; larger, packed and one tensor more do not: stand-ins, then the long way
+    assert [paths[(2, s)] for s in range(4)] == [(True, True)] + [(True, False)] * 3
+    # slot 0's record is the smaller size now; slot 1's the larger one (a float64 tensor of
+    # as many bytes fits it); slot 2 went packed, so it has no record; slot 3 had two tensors
+    assert [paths[(3, s)] for s in range(4)] == [(True, False), (True, True), (False, False)] + [
+        (True, False)
+    ]
+    assert paths[(4, 0)] == (True, False)  # an error notice with buffers posted: no wait
+    posted = {row[0]: row[2] for row in got if row[1] == "posted before any wait"}
+    # two receives of a lane at a time have their buffers posted before any wait
+    assert posted == {
+        0: [False] * 4,
+        1: [True, True, False, False],
+        2: [True, True, False, False],
+        3: [True, True, False, False],
+        4: [True],
+    }
+
+
+def test_every_schedule_matches_the_plain_model_with_large_messages_step_after_step() -> None:
+    schedules = ("gpipe", "1f1b", "zero_bubble", "interleaved")
+    for rank, result in enumerate(run_ranks(large_steps, 2, schedules, timeout=240)):
+        assert sorted(result) == sorted(schedules)
+        for schedule, steps in result.items():
+            assert len(steps) == 5
+            for step, (loss_error, grad_error) in enumerate(steps[:4]):
+                assert loss_error < 1e-5 and grad_error < 1e-5, (rank, schedule, step)
+            # each rank's receives of the last step had buffers posted before their headers
+            # (a slot per micro-batch and channel: 4 micro-batches, one or two channels)
+            assert steps[4][0] >= 4, (rank, schedule, steps[4])
 
 
 def test_messages_that_match_the_channels_last_header_skip_decoding() -> None:

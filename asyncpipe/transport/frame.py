@@ -25,7 +25,7 @@ HEADER_BYTES = 8 * HEADER_SIZE
 PACK_LIMIT = 256 * 1024
 _ALIGN = 64
 _MAGIC = 0x41505031
-PACKED, ERROR, SEPARATE = 0, 1, 2
+PACKED, ERROR, SEPARATE, EARLY = 0, 1, 2, 3
 DTYPES: list[torch.dtype] = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,

@@ -6,22 +6,24 @@ gets, so each receive is posted early with a byte buffer as large as the biggest
 far in the same slot (channel and micro-batch), and a message that fits travels *packed*, header
 and tensors in one message::
 
-    packed     tag 2c     [ header | pad | tensor 0 | pad | tensor 1 ... ]
-    separate   tag 2c     [ header ]            (first time, or when it grew)
-               tag 2c+1   [ tensor 0 ] [ tensor 1 ] ...
+    packed     tag 3c     [ header | pad | tensor 0 | pad | tensor 1 ... ]
+    separate   tag 3c     [ header ]            (first time, or when it grew)
+               tag 3c+1   [ tensor 0 ] [ tensor 1 ] ...
 
 Sender and receiver keep the same record of sizes per slot, so both agree on whether a message
 fits. A packed buffer is reused for a later message once its send has completed. A receive
 posted where the channel's last packed message would fit again makes that message's tensor views
 into its buffer at once; when the message comes, a comparison of its header bytes with that
-message's (but for the micro-batch fields) replaces the decoding. Only
-messages up to ``PACK_LIMIT`` bytes are packed: above it, copying the tensors into one buffer
-costs more than the second message, so large tensors always go separate, straight from their
-own memory. NCCL needs receives of the exact size, in posting order: there every
-message goes separate, each receive is posted only when it is due, and each direction between
-two ranks travels in its own group (see :class:`P2PTransport`). Gloo moves host memory
-only: with CUDA tensors over gloo (processes sharing a GPU), messages are staged through host
-memory and received tensors are moved to the transport's device.
+message's (but for the micro-batch fields) replaces the decoding. Only messages up to
+``PACK_LIMIT`` bytes are packed: above it, copying the tensors into one buffer costs more than
+the second message, so large tensors always go separate, straight from their own memory; the
+next large message of a slot has its tensor receives posted before its header comes, into
+buffers of the last one's sizes (tag 3c+2, see :class:`_Lane`). NCCL needs receives of the
+exact size, in posting order: there every message goes separate, each receive is posted only
+when it is due, and each direction between two ranks travels in its own group (see
+:class:`P2PTransport`). Gloo moves host memory only: with CUDA tensors over gloo (processes
+sharing a GPU), messages are staged through host memory and received tensors are moved to the
+transport's device.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import re
 import struct
 import time
 from array import array
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -43,6 +46,7 @@ from ..group import GroupRef
 from .base import Message, PendingRecv, Transport, TransportTimeout
 from .frame import (
     DTYPES,
+    EARLY,
     ERROR,
     HEADER_BYTES,
     HEADER_SIZE,
@@ -55,6 +59,7 @@ from .frame import (
     error_header,
     error_text,
     layout,
+    nbytes,
     pack,
     read_fields,
     views,
@@ -62,6 +67,11 @@ from .frame import (
 
 __all__: list[str] = []
 
+_EARLY_WINDOW = 2
+"""Receives of one peer and channel whose large tensors may be posted before their header has
+come (see :class:`_Lane`): enough to take the header's round trip off a stream of large
+messages, few enough that a step's receives, all posted at once, do not hold every
+micro-batch's tensor buffers at once."""
 _SPARE_BUFFERS = 32
 """Packed buffers of one size kept for reuse once their sends completed (a fresh buffer's
 pages are touched for the first time by the copy, which costs more than the copy)."""
@@ -125,17 +135,73 @@ class _Expected:
         return cls(raw[:24], raw[40:], len(raw), fields[5], specs, offsets)
 
 
+class _Lane:
+    """The receives from one peer on one channel whose slot's last message was large (more
+    than ``PACK_LIMIT`` bytes, so it went separate, header then tensors), in posting order.
+
+    Both ends keep the tensor sizes of that message (``P2PTransport.records``, and the
+    sender's own record of what it sent). The receiver
+    posts the next message's tensor receives into buffers of those sizes without waiting for its
+    header, so the tensors travel as soon as they are sent instead of a round trip after the
+    header: ::
+
+        separate   tag 3c     [ header ]         receiver posts tag 3c+1 on reading it
+                   tag 3c+1   [ tensor 0 ] ...
+        early      tag 3c     [ header ]         kind EARLY: the tensors fit the record
+                   tag 3c+2   [ tensor 0 ] ...   into buffers posted with the header's
+
+    A message whose tensors do not fit the record (more of them, or larger), or that goes
+    packed, sends a one-byte stand-in on tag 3c+2 for each early buffer, which the receiver
+    takes and drops. Only ``_EARLY_WINDOW`` receives of a lane have their buffers posted at a
+    time (a step posts all its receives at once); the next is posted when one is taken, and a
+    receive waited on out of turn posts those before it first, since a tag's messages are
+    matched to its receives in posting order.
+    """
+
+    def __init__(self) -> None:
+        self.queued: deque[_P2PRecv] = deque()
+        self.posted = 0
+
+    def queue(self, recv: _P2PRecv) -> None:
+        self.queued.append(recv)
+        self.promote()
+
+    def promote(self, until: _P2PRecv | None = None) -> None:
+        """Post the early buffers of queued receives while fewer than the window are posted,
+        and up to ``until`` in any case."""
+        while self.queued:
+            if self.posted >= _EARLY_WINDOW and (until is None or until.early is not None):
+                return
+            self.queued.popleft().post_early()
+            self.posted += 1
+
+    def done(self) -> None:
+        """A receive took its early buffers: post the next queued one's."""
+        self.posted -= 1
+        self.promote()
+
+
 class _P2PRecv(PendingRecv):
     def __init__(self, transport: P2PTransport, src: int, channel: int, slot: int) -> None:
         self.transport, self.src, self.channel, self.slot = transport, src, channel, slot
         capacity = transport.capacity.get((src, channel, slot), HEADER_BYTES)
         self.buffer = torch.empty(capacity, dtype=torch.uint8, device=transport.wire)
-        self.work: dist.Work | None = transport.irecv(self.buffer, src, 2 * channel)
+        self.work: dist.Work | None = transport.irecv(self.buffer, src, 3 * channel)
+        # A slot whose last message was large: the next one's tensors are received into
+        # buffers of that message's sizes, posted before the header comes (see _Lane).
+        key = (src, channel, slot)
+        self.record = transport.records.get(key) if transport.packs else None
+        self.early: list[Tensor] | None = None
+        self.early_works: list[dist.Work | None] = []
+        if self.record is not None:
+            transport.lane(src, channel).queue(self)
         # The message this channel sent last time, if this one fits packed: its tensors' views
         # are made now, while the rank has nothing better to do, and wait() only checks that
         # the header is the expected one (see _Expected).
         expected = transport.expected.get((src, channel))
-        self.expected = expected if expected is not None and expected.total <= capacity else None
+        if expected is None or expected.total > capacity or self.record is not None:
+            expected = None
+        self.expected = expected
         self.views: tuple[Tensor | None, ...] = ()
         if self.expected is not None:
             specs, offsets = self.expected.specs, self.expected.offsets
@@ -160,6 +226,27 @@ class _P2PRecv(PendingRecv):
                 f"rank {me} lost rank {self.src} while waiting for {what}: {_gist(text)}"
             ) from e
 
+    def post_early(self) -> None:
+        """Post the receives of this message's tensors, sized by its slot's record."""
+        assert self.record is not None and self.early is None
+        transport = self.transport
+        self.early = [torch.empty(n, dtype=torch.uint8, device=transport.wire) for n in self.record]
+        tag = 3 * self.channel + 2
+        self.early_works = [transport.irecv(buffer, self.src, tag) for buffer in self.early]
+
+    def _take_early(self, timeout: float, what: str) -> list[Tensor]:
+        """Wait for what came into the early buffers (the tensors, or the sender's stand-ins
+        where they did not fit) and let the lane post the next receive's."""
+        lane = self.transport.lane(self.src, self.channel)
+        if self.early is None:
+            lane.promote(until=self)
+        assert self.early is not None
+        for work in self.early_works:
+            self._wait(work, timeout, what)
+        self.early_works = []
+        lane.done()
+        return self.early
+
     def wait(self, timeout: float) -> Message:
         self._wait(self.work, timeout, "a message")
         self.work = None  # hold no finished Work: gloo may abort on them at interpreter exit
@@ -172,11 +259,21 @@ class _P2PRecv(PendingRecv):
         fields = read_fields(
             self.buffer if self.buffer.device.type == "cpu" else self.buffer[:HEADER_BYTES].cpu()
         )
-        if fields[2] == ERROR:
-            return Message(fields[3], fields[4], (), error=error_text(fields))
-        kind, microbatch, microbatches, total, specs = decode_header(fields)
         transport = self.transport
         key = (self.src, self.channel, self.slot)
+        if fields[2] == ERROR:  # the pipeline fails: no stand-ins come, the record goes
+            transport.records.pop(key, None)
+            return Message(fields[3], fields[4], (), error=error_text(fields))
+        kind, microbatch, microbatches, total, specs = decode_header(fields)
+        what = f"the tensors of micro-batch {microbatch}"
+        if kind == EARLY and self.record is None:
+            raise RuntimeError(
+                f"rank {transport.rank} got a message from rank {self.src} whose tensors were "
+                f"sent to buffers it never posted: the two ranks' records of channel "
+                f"{self.channel} differ (are two pipelines sharing the same process group?)"
+            )
+        if self.record is not None and kind != EARLY:
+            self._take_early(timeout, what)  # stand-ins: the tensors did not fit or go packed
         tensors: list[Tensor | None] = []
         if kind == PACKED:
             offsets, _ = layout(len(fields), specs)
@@ -184,6 +281,14 @@ class _P2PRecv(PendingRecv):
             if transport.expects:
                 expected = _Expected.of(fields, specs, offsets)
                 transport.expected[(self.src, self.channel)] = expected
+        elif kind == EARLY:
+            buffers = iter(self._take_early(timeout, what))
+            for code, _, shape in specs:
+                if code < 0:
+                    tensors.append(None)
+                    continue
+                data = next(buffers)[: nbytes(code, shape)]
+                tensors.append(data.view(DTYPES[code]).view(shape))
         else:
             works = []
             for code, _, shape in specs:
@@ -191,12 +296,14 @@ class _P2PRecv(PendingRecv):
                     tensors.append(None)
                     continue
                 buffer = torch.empty(shape, dtype=DTYPES[code], device=transport.wire)
-                works.append(transport.irecv(buffer, self.src, 2 * self.channel + 1))
+                works.append(transport.irecv(buffer, self.src, 3 * self.channel + 1))
                 tensors.append(buffer)
             for work in works:
-                self._wait(work, timeout, f"the tensors of micro-batch {microbatch}")
-            if kind == SEPARATE:
-                transport.grow(key, total)
+                self._wait(work, timeout, what)
+        if kind != PACKED:
+            transport.grow(key, total)
+        sizes = [nbytes(code, shape) for code, _, shape in specs if code >= 0]
+        transport.remember(transport.records, key, kind, sizes, total)
         if transport.wire != transport.device:
             tensors = [t if t is None else t.to(transport.device) for t in tensors]
         for tensor, (_, requires_grad, _) in zip(tensors, specs):
@@ -277,6 +384,13 @@ class P2PTransport(Transport):
         self._pending: dict[tuple[int, int, int], list[tuple[dist.Work | None, Tensor]]] = {}
         # sends put off by defer() until the flush after the next one
         self._deferred: list[tuple[dist.Work | None, Tensor]] = []
+        # by (peer, channel, slot): the tensor sizes of the slot's last message received and
+        # sent where it was large (each end keeps the same record of a slot; see _Lane). Two
+        # tables: some channels carry messages both ways between two ranks.
+        self.records: dict[tuple[int, int, int], list[int]] = {}
+        self._sent: dict[tuple[int, int, int], list[int]] = {}
+        self._lanes: dict[tuple[int, int], _Lane] = {}
+        self._stand_in = torch.zeros(1, dtype=torch.uint8, device=self.wire)
         self._overdue: list[tuple[dist.Work | None, Tensor]] = []
 
     @property
@@ -348,22 +462,63 @@ class P2PTransport(Transport):
     def send(self, dst: int, channel: int, message: Message) -> None:
         key = (dst, channel, message.microbatch)
         if message.error is not None:  # the text rides in the header: one message
-            self._isend(error_header(message).view(torch.uint8).to(self.wire), key, 2 * channel)
+            self._isend(error_header(message).view(torch.uint8).to(self.wire), key, 3 * channel)
+            self._sent.pop(key, None)  # the pipeline fails: no stand-ins (see wait)
             return
+        # The receive of this slot has early buffers of these sizes (see _Lane) when the
+        # slot's last message was large: they take this message's tensors if they fit, else
+        # a stand-in each.
+        record = self._sent.get(key)
         payload = list(message.tensors)
         fields, offsets = self._layout(message, payload)
         total = fields[5]
         if total <= self.capacity.get(key, HEADER_BYTES):  # packing is for gloo: host memory
-            self._isend(self._pack(fields, offsets, payload), key, 2 * channel)
+            self._isend(self._pack(fields, offsets, payload), key, 3 * channel)
+            self._stand_ins(key, record)
+            self.remember(self._sent, key, PACKED, [], total)
             return
-        fields[2] = SEPARATE
+        tensors = [t.detach().to(self.wire).contiguous() for t in payload if t is not None]
+        sizes = [t.nbytes for t in tensors]
+        early = record is not None and len(sizes) == len(record)
+        early = early and all(n <= r for n, r in zip(sizes, record or ()))
+        fields[2] = EARLY if early else SEPARATE
         self.grow(key, total)
         header = torch.zeros(HEADER_SIZE, dtype=torch.int64)
         header[: len(fields)] = torch.tensor(fields)
-        self._isend(header.view(torch.uint8).to(self.wire), key, 2 * channel)
-        for tensor in payload:
-            if tensor is not None:
-                self._isend(tensor.detach().to(self.wire).contiguous(), key, 2 * channel + 1)
+        self._isend(header.view(torch.uint8).to(self.wire), key, 3 * channel)
+        if not early:
+            self._stand_ins(key, record)
+        for tensor in tensors:
+            self._isend(tensor, key, 3 * channel + (2 if early else 1))
+        self.remember(self._sent, key, fields[2], sizes, total)
+
+    def _stand_ins(self, key: tuple[int, int, int], record: list[int] | None) -> None:
+        """Fill the early buffers of a receive that does not take its tensors from them."""
+        for _ in record or ():
+            self._isend(self._stand_in, key, 3 * key[1] + 2)
+
+    def remember(
+        self,
+        table: dict[tuple[int, int, int], list[int]],
+        key: tuple[int, int, int],
+        kind: int,
+        sizes: list[int],
+        total: int,
+    ) -> None:
+        """Both ends call this after each message of a slot (the receiver with ``records``):
+        a large one that went separate makes the slot's next receive post early buffers of its
+        tensors' sizes."""
+        if self.packs and kind in (SEPARATE, EARLY) and total > PACK_LIMIT:
+            table[key] = sizes
+        else:
+            table.pop(key, None)
+
+    def lane(self, src: int, channel: int) -> _Lane:
+        """The receives from ``src`` on ``channel`` that have early buffers, in posting order."""
+        lane = self._lanes.get((src, channel))
+        if lane is None:
+            lane = self._lanes[(src, channel)] = _Lane()
+        return lane
 
     def recv(self, src: int, channel: int, slot: int = 0) -> PendingRecv:
         return _P2PRecv(self, src, channel, slot)
