@@ -5,7 +5,7 @@ Run ``python -m benchmarks.transports``; it launches its own worker processes (l
 TensorPipe) and prints a table; ``--markdown docs/transports.md`` also writes it into that page.
 
 Bandwidth: rank 0 sends ``--messages`` tensors of one shape to rank 1, one direction, with no
-compute in between; rank 1 times from its first message to its last. ``raw`` is
+compute in between; rank 1 times from telling rank 0 to start to its last message. ``raw`` is
 ``torch.distributed.isend``/``irecv`` of the bare tensor (the limit on this machine), ``p2p`` and
 ``rpc`` are asyncpipe's transports carrying the same tensor in a message, receives posted ahead
 as the runtime posts them. Each method runs ``--trials`` bursts, the methods taking turns; the
@@ -65,11 +65,24 @@ def _bandwidth(
         }
         transports[method] = makers[method]()
     transport = transports[method]
+
+    def post(n: int) -> Any:
+        if transport is None:
+            return dist.irecv(torch.empty(*shape, device=device), 0)
+        return transport.recv(0, 0, n % SLOTS)
+
+    # A window of SLOTS receives posted ahead, one per slot, as a pipeline posts them. Rank 1
+    # starts the clock as it tells rank 0 to go, so the first message's latency counts
+    # (timing from its arrival let a sender that ran ahead hide it: messages queued before
+    # the first was taken came at memory speed) and the ranks' skew leaving a barrier does not.
+    pending = {n: post(n) for n in range(min(SLOTS, messages))} if rank == 1 else {}
     dist.barrier()
     if rank > 1:  # only ranks 0 and 1 take part
         dist.barrier()
         return None
+    go = torch.zeros(1)
     if rank == 0:
+        dist.recv(go, 1)
         works = []
         for n in range(messages):
             if transport is None:
@@ -82,15 +95,8 @@ def _bandwidth(
             transport.flush(120)
         dist.barrier()
         return None
-
-    def post(n: int) -> Any:
-        if transport is None:
-            return dist.irecv(torch.empty(*shape, device=device), 0)
-        return transport.recv(0, 0, n % SLOTS)
-
-    # A window of SLOTS receives posted ahead, one per slot, as a pipeline posts them.
-    pending = {n: post(n) for n in range(min(SLOTS, messages))}
-    start = 0.0
+    start = time.perf_counter()
+    dist.send(go, 0)
     for n in range(messages):
         receive = pending.pop(n)
         if transport is None:
@@ -99,9 +105,6 @@ def _bandwidth(
             receive.wait(120)
         if n + SLOTS < messages:
             pending[n + SLOTS] = post(n + SLOTS)
-        if n == 0:
-            synchronize(device)  # an NCCL wait only orders the GPU's stream
-            start = time.perf_counter()
     synchronize(device)
     seconds = time.perf_counter() - start
     dist.barrier()
@@ -174,13 +177,12 @@ def worker(args: argparse.Namespace) -> int:
         for method, seconds in trials.items():
             if seconds:
                 size = 4 * int(torch.Size(shape).numel())
-                # count - 1 messages arrived after the first one started the clock
                 record["bandwidth"][f"{label}-{method}"] = {
                     "bytes": size,
                     "messages": count,
                     "seconds": min(seconds),
-                    "bytes_per_s": size * (count - 1) / min(seconds),
-                    "median_bytes_per_s": size * (count - 1) / statistics.median(seconds),
+                    "bytes_per_s": size * count / min(seconds),
+                    "median_bytes_per_s": size * count / statistics.median(seconds),
                 }
     if dist.get_world_size() >= 2 and not args.bandwidth_only:
         for schedule in ("gpipe", "1f1b", "zero_bubble"):
@@ -267,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro-batch", type=int, default=8, help="rows of a message")
     parser.add_argument("--messages", type=int, default=400, help="messages of the small shape")
     parser.add_argument(
-        "--trials", type=int, default=5, help="timed bursts per method and shape (best reported)"
+        "--trials", type=int, default=9, help="timed bursts per method and shape (best reported)"
     )
     parser.add_argument("--f-ms", type=float, default=5.0, help="forward sleep per layer (ms)")
     parser.add_argument("--chunks", type=int, default=8, help="micro-batches per step")
