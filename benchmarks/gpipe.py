@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .launch import LaunchResult, launch
+from .launch import LaunchResult, launch, read_records
 from .sections import load, machine, provenance, revision, write_section
 from .worker import SYSTEMS
 from .workload import (
@@ -170,16 +170,6 @@ def merge_rounds(rounds: list[list[Row]]) -> list[Row]:
     return merged
 
 
-def _read_records(out: Path, world: int) -> list[dict[str, Any] | None]:
-    records: list[dict[str, Any] | None] = []
-    for rank in range(world):
-        try:
-            records.append(json.loads((out / f"rank{rank}.json").read_text()))
-        except (OSError, ValueError):
-            records.append(None)
-    return records
-
-
 def _run_system(
     system: str,
     args: argparse.Namespace,
@@ -223,7 +213,7 @@ def _run_system(
             f"{result.cpu_seconds:.1f} s CPU (all ranks, start-up included)",
             file=sys.stderr,
         )
-        records = _read_records(out, world)
+        records = read_records(out, world)
         done = []
         if all(r is not None for r in records):
             for chunks in remaining:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LaunchResult", "free_port", "launch", "launch_workers"]
+__all__ = ["LaunchResult", "free_port", "launch", "launch_workers", "read_records"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -171,6 +171,18 @@ def launch(
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = usage.ru_utime + usage.ru_stime - cpu_before
     return LaunchResult(codes, timed_out, time.monotonic() - start, logs, cpu)
+
+
+def read_records(out: Path, world: int) -> list[dict[str, Any] | None]:
+    """The JSON record each of ``world`` ranks wrote into ``out`` (``rank<r>.json``), or None
+    for a rank that wrote none (or an unreadable one)."""
+    records: list[dict[str, Any] | None] = []
+    for rank in range(world):
+        try:
+            records.append(json.loads((out / f"rank{rank}.json").read_text()))
+        except (OSError, ValueError):
+            records.append(None)
+    return records
 
 
 def launch_workers(

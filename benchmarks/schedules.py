@@ -13,8 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from .gpipe import _read_records
-from .launch import LaunchResult, launch
+from .launch import LaunchResult, launch, read_records
 from .schedule_report import markdown_section, target_lines, text_report, write_timelines
 from .schedule_results import (
     MATCH,
@@ -104,7 +103,7 @@ def run_entries(
             f"{result.cpu_seconds:.1f} s CPU",
             file=sys.stderr,
         )
-        records = _read_records(out, args.ranks)
+        records = read_records(out, args.ranks)
         for index in list(remaining):
             found = []
             for record in records:
