@@ -13,15 +13,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .calibration import StageCosts, calibrate, calibrated_ideal_s
 from .launch import LaunchResult, launch, read_records
 from .sections import load, machine, provenance, revision, write_section
 from .worker import SYSTEMS
-from .workload import (
-    StageCosts,
-    calibrate,
-    calibrated_ideal_s,
-    nominal_ideal_s,
-)
+from .workload import nominal_ideal_s
 
 __all__ = ["Row", "main"]
 

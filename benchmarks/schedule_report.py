@@ -8,11 +8,12 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from .calibration import LayerCosts
 from .peers import FAIRSCALE
 from .schedule_results import BREAKDOWN, MATCH, MEMORY_ENV, MemoryRow, Row, simulate_schedule
 from .schedule_worker import ASYNCPIPE
 from .sections import machine, provenance, revision
-from .workload import SHAPES, LayerCosts
+from .workload import SHAPES
 
 __all__ = [
     "HEADER",

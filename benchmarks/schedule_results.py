@@ -8,8 +8,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .calibration import LayerCosts
 from .schedule_worker import ASYNCPIPE
-from .workload import LayerCosts
 
 if TYPE_CHECKING:
     from asyncpipe.schedule import Simulation

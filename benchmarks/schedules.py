@@ -13,6 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from .calibration import LayerCosts, calibrate_layer
 from .launch import LaunchResult, launch, read_records
 from .schedule_report import markdown_section, target_lines, text_report, write_timelines
 from .schedule_results import (
@@ -27,7 +28,7 @@ from .schedule_results import (
 )
 from .schedule_worker import ASYNCPIPE, PEERS, SYSTEMS
 from .sections import load, machine, revision, write_section
-from .workload import FEATURES, LayerCosts, calibrate_layer
+from .workload import FEATURES
 
 __all__ = ["main", "run_entries", "run_memory", "run_timing", "timing_entries"]
 

@@ -16,6 +16,7 @@ import torch
 
 from . import gpt
 from . import suite_runs as runs
+from .calibration import calibrate_layer
 from .gpu import SHARED_GPU_NOTE, placement
 from .launch import REPO_ROOT
 from .peers import fairscale_version
@@ -32,7 +33,6 @@ from .suite_report import (
     text_table,
 )
 from .transports import bandwidth_table
-from .workload import calibrate_layer
 
 __all__: list[str] = []
 

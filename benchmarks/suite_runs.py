@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import Any
 
 from . import gpt, schedule_results, schedules
+from .calibration import LayerCosts
 from .gpu import SHARED_GPU_PEERS
 from .launch import launch_workers
 from .peers import FAIRSCALE
 from .schedule_worker import ASYNCPIPE, PEERS
-from .workload import LayerCosts
 
 __all__ = [
     "LINKS",
