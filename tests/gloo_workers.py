@@ -442,9 +442,9 @@ def early_tensors(rank: int, world: int) -> Any:
         order = [2, 0, 1, 3] if round_ == 1 else slots  # slot 2 out of turn
         for slot in order:
             receive = pending[slot]
-            had_record = receive.record is not None  # type: ignore[attr-defined]
+            had_record = receive.record is not None
             received = receive.wait(30)
-            early = receive.early  # type: ignore[attr-defined]
+            early = receive.early
             sent = message(round_, slot)
             same = received.error == sent.error and len(received.tensors) == len(sent.tensors)
             for a, b in zip(received.tensors, sent.tensors):

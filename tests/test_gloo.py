@@ -184,7 +184,7 @@ def test_large_messages_are_received_into_buffers_posted_before_their_header() -
     # smaller fits; larger, packed and one tensor more do not: stand-ins, then the long way
     assert [paths[(2, s)] for s in range(4)] == [(True, True)] + [(True, False)] * 3
     # slot 0's record is the smaller size now; slot 1's the larger one (a float64 tensor of
-    # as many bytes fits it); slot 2 went packed, so it has no record; slot 3 had two tensors
+    # half as many bytes fits it); slot 2 went packed, so it has none; slot 3's has 2 tensors
     assert [paths[(3, s)] for s in range(4)] == [(True, False), (True, True), (False, False)] + [
         (True, False)
     ]

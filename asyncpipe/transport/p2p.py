@@ -140,10 +140,9 @@ class _Lane:
     than ``PACK_LIMIT`` bytes, so it went separate, header then tensors), in posting order.
 
     Both ends keep the tensor sizes of that message (``P2PTransport.records``, and the
-    sender's own record of what it sent). The receiver
-    posts the next message's tensor receives into buffers of those sizes without waiting for its
-    header, so the tensors travel as soon as they are sent instead of a round trip after the
-    header: ::
+    sender's own record of what it sent). The receiver posts the next message's tensor
+    receives into buffers of those sizes without waiting for its header, so the tensors travel
+    as soon as they are sent instead of a round trip after the header: ::
 
         separate   tag 3c     [ header ]         receiver posts tag 3c+1 on reading it
                    tag 3c+1   [ tensor 0 ] ...
