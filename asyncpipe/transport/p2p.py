@@ -389,7 +389,7 @@ class P2PTransport(Transport):
         self.records: dict[tuple[int, int, int], list[int]] = {}
         self._sent: dict[tuple[int, int, int], list[int]] = {}
         self._lanes: dict[tuple[int, int], _Lane] = {}
-        self._stand_in = torch.zeros(1, dtype=torch.uint8, device=self.wire)
+        self._stand_in: Tensor | None = None  # made when first needed (never over NCCL)
         self._overdue: list[tuple[dist.Work | None, Tensor]] = []
 
     @property
@@ -494,6 +494,8 @@ class P2PTransport(Transport):
     def _stand_ins(self, key: tuple[int, int, int], record: list[int] | None) -> None:
         """Fill the early buffers of a receive that does not take its tensors from them."""
         for _ in record or ():
+            if self._stand_in is None:
+                self._stand_in = torch.zeros(1, dtype=torch.uint8, device=self.wire)
             self._isend(self._stand_in, key, 3 * key[1] + 2)
 
     def remember(
