@@ -299,10 +299,12 @@ class _P2PRecv(PendingRecv):
                 tensors.append(buffer)
             for work in works:
                 self._wait(work, timeout, what)
-        if kind != PACKED:
+        if kind == PACKED:
+            transport.records.pop(key, None)
+        else:
             transport.grow(key, total)
-        sizes = [nbytes(code, shape) for code, _, shape in specs if code >= 0]
-        transport.remember(transport.records, key, kind, sizes, total)
+            sizes = [nbytes(code, shape) for code, _, shape in specs if code >= 0]
+            transport.remember(transport.records, key, sizes, total)
         if transport.wire != transport.device:
             tensors = [t if t is None else t.to(transport.device) for t in tensors]
         for tensor, (_, requires_grad, _) in zip(tensors, specs):
@@ -473,8 +475,9 @@ class P2PTransport(Transport):
         total = fields[5]
         if total <= self.capacity.get(key, HEADER_BYTES):  # packing is for gloo: host memory
             self._isend(self._pack(fields, offsets, payload), key, 3 * channel)
-            self._stand_ins(key, record)
-            self.remember(self._sent, key, PACKED, [], total)
+            if record is not None:
+                self._stand_ins(key, record)
+                del self._sent[key]
             return
         tensors = [t.detach().to(self.wire).contiguous() for t in payload if t is not None]
         sizes = [t.nbytes for t in tensors]
@@ -489,7 +492,7 @@ class P2PTransport(Transport):
             self._stand_ins(key, record)
         for tensor in tensors:
             self._isend(tensor, key, 3 * channel + (2 if early else 1))
-        self.remember(self._sent, key, fields[2], sizes, total)
+        self.remember(self._sent, key, sizes, total)
 
     def _stand_ins(self, key: tuple[int, int, int], record: list[int] | None) -> None:
         """Fill the early buffers of a receive that does not take its tensors from them."""
@@ -502,14 +505,13 @@ class P2PTransport(Transport):
         self,
         table: dict[tuple[int, int, int], list[int]],
         key: tuple[int, int, int],
-        kind: int,
         sizes: list[int],
         total: int,
     ) -> None:
-        """Both ends call this after each message of a slot (the receiver with ``records``):
-        a large one that went separate makes the slot's next receive post early buffers of its
-        tensors' sizes."""
-        if self.packs and kind in (SEPARATE, EARLY) and total > PACK_LIMIT:
+        """Both ends call this after each message of a slot that went separate (the receiver
+        with ``records``; a packed one drops the slot's record): a large one makes the slot's
+        next receive post early buffers of its tensors' sizes."""
+        if self.packs and total > PACK_LIMIT:
             table[key] = sizes
         else:
             table.pop(key, None)
