@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 import weakref
 from collections.abc import Mapping
 
@@ -136,10 +137,17 @@ def _init_rpc(timeout: float | datetime.timedelta, worker_map: Mapping[int, str]
     )
 
 
+_RELEASE_S = 0.1
+"""How long :func:`shutdown` leaves the default group's worker threads to let go of the work
+they finished (see "Ending a job" in the reliability guide)."""
+
+
 def shutdown() -> None:
     """End RPC (waiting for every worker to get there) and the default process group, after a
-    barrier: every rank's collectives are done, so none is left to clean up at exit (see
-    "Ending a job" in the reliability guide).
+    barrier: every rank's collectives are done, so none is left to clean up at exit; then pause
+    for a moment, so that the group's worker threads (which torch may keep alive) have let go
+    of the work they finished before the interpreter exits (see "Ending a job" in the
+    reliability guide).
 
     Example:
         >>> asyncpipe.shutdown()  # doctest: +SKIP
@@ -156,3 +164,4 @@ def shutdown() -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+        time.sleep(_RELEASE_S)

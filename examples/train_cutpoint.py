@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{seconds * 1e3:.1f} ms per step (plan predicted {predicted * 1e3:.1f} ms for the "
             f"pipeline alone); tied copies on ranks {owners} differ by {gap}"
         )
-    dist.destroy_process_group()
+    asyncpipe.shutdown()  # meets every rank, then ends the process group (docs: reliability)
 
 
 if __name__ == "__main__":

@@ -252,8 +252,7 @@ def main() -> None:
             f"test accuracy {correct.item() / args.test:.3f} on {args.test} held-out images",
             flush=True,
         )
-    dist.barrier()
-    dist.destroy_process_group()
+    asyncpipe.shutdown()  # meets every rank, then ends the process group (docs: reliability)
 
 
 if __name__ == "__main__":
