@@ -107,7 +107,7 @@ PARTS: tuple[Part, ...] = (
         ("transports",),
         "bandwidth of p2p and rpc, step time over each against fairscale",
         3.0,
-        quick=_args("--processes 2 --messages 20 --bandwidth-only"),
+        quick=_args("--processes 2 --messages 20 --trips 20 --bandwidth-only"),
     ),
     Part(
         "parallel",

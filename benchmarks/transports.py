@@ -111,6 +111,69 @@ def _bandwidth(
     return seconds
 
 
+def _round_trip(
+    method: str,
+    shape: tuple[int, ...],
+    trips: int,
+    transports: dict[str, Any],
+    device: torch.device,
+) -> float | None:
+    """Seconds rank 0 took for ``trips`` round trips of a tensor of ``shape`` to rank 1 and
+    back (None on the other ranks): each message waits for the previous one, so this is the
+    latency of a hop, as a pipeline's critical path pays it. Each side posts its next receive
+    before it sends, as the runtime does; ``transports`` are those of :func:`_bandwidth`."""
+    from asyncpipe.transport import Message
+
+    rank = dist.get_rank()
+    transport = transports[method]
+    tensor = torch.randn(*shape, device=device)
+    peer = 1 - rank
+    group = dist.group.WORLD
+
+    def post(n: int) -> Any:
+        if transport is None:  # the group's own calls, as asyncpipe's p2p makes them
+            assert group is not None
+            return group.recv([torch.empty(*shape, device=device)], peer, 10 + peer)
+        return transport.recv(peer, 10 + peer, n % SLOTS)
+
+    def wait(receive: Any) -> None:
+        if transport is None:
+            receive.wait()
+        else:
+            receive.wait(120)
+
+    def send(n: int) -> None:
+        if transport is None:
+            assert group is not None
+            group.send([tensor], peer, 10 + rank).wait()
+        else:
+            transport.send(peer, 10 + rank, Message(n % SLOTS, SLOTS, (tensor,)))
+            transport.settle(peer, 10 + rank, n % SLOTS, 120)
+
+    dist.barrier()
+    if rank > 1:
+        dist.barrier()
+        return None
+    receive = post(0)
+    start = time.perf_counter()
+    for n in range(trips):
+        if rank == 0:
+            send(n)
+            wait(receive)
+            if n + 1 < trips:
+                receive = post(n + 1)
+        else:
+            wait(receive)
+            if n + 1 < trips:
+                receive = post(n + 1)
+            send(n)
+    seconds = time.perf_counter() - start
+    if transport is not None:
+        transport.flush(120)
+    dist.barrier()
+    return seconds if rank == 0 else None
+
+
 def _step_time(
     transport: str, f_ms: float, chunks: int, steps: int, schedule: str
 ) -> dict[str, float]:
@@ -174,6 +237,20 @@ def worker(args: argparse.Namespace) -> int:
                 seconds = _bandwidth(method, shape, count, transports, device)
                 if seconds is not None:
                     trials[method].append(seconds)
+        if label == "small":  # the latency of a hop, with the same transports
+            for method in methods:
+                _round_trip(method, shape, 2 * SLOTS, transports, device)  # warm up
+            trips: dict[str, list[float]] = {method: [] for method in methods}
+            for trial in range(args.trials):
+                for method in methods[trial % 3 :] + methods[: trial % 3]:
+                    took = _round_trip(method, shape, args.trips, transports, device)
+                    if took is not None:
+                        trips[method].append(took / args.trips)
+            if trips["raw"]:
+                record["round_trip"] = {
+                    method: {"best_s": min(t), "median_s": statistics.median(t)}
+                    for method, t in trips.items()
+                }
         for method, seconds in trials.items():
             if seconds:
                 size = 4 * int(torch.Size(shape).numel())
@@ -227,10 +304,32 @@ def bandwidth_table(bandwidth: dict[str, dict[str, float]], micro_batch: int) ->
     return "\n".join(lines)
 
 
+def round_trip_table(trips: dict[str, dict[str, float]], micro_batch: int) -> str:
+    """The markdown table of rank 0's ``record["round_trip"]``: one hop's latency."""
+    raw, p2p, rpc = (trips[m] for m in ("raw", "p2p", "rpc"))
+    shape = (micro_batch, *SHAPES["small"])
+
+    def us(entry: dict[str, float]) -> str:
+        return f"{entry['best_s'] * 1e6:.0f} us"
+
+    return "\n".join(
+        [
+            "| round trip of | raw send/recv | p2p | rpc | p2p / raw | rpc / raw | medians: "
+            "p2p, rpc / raw |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+            f"| {shape} | {us(raw)} | {us(p2p)} | {us(rpc)} | "
+            f"{p2p['best_s'] / raw['best_s']:.2f} | {rpc['best_s'] / raw['best_s']:.2f} | "
+            f"{p2p['median_s'] / raw['median_s']:.2f} / {rpc['median_s'] / raw['median_s']:.2f} |",
+        ]
+    )
+
+
 def _table(records: list[dict[str, Any]], args: argparse.Namespace) -> str:
     lines = [bandwidth_table(records[1]["bandwidth"], args.micro_batch)]
+    if "round_trip" in records[0]:
+        lines += ["", round_trip_table(records[0]["round_trip"], args.micro_batch)]
     if args.bandwidth_only:
-        return lines[0]
+        return "\n".join(lines)
     steps = records[0]["steps"]
     world = args.processes
     ideal = nominal_ideal_s(world, args.chunks, 8 // world, args.f_ms)
@@ -270,6 +369,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--messages", type=int, default=400, help="messages of the small shape")
     parser.add_argument(
         "--trials", type=int, default=9, help="timed bursts per method and shape (best reported)"
+    )
+    parser.add_argument(
+        "--trips", type=int, default=200, help="round trips of the small shape per trial"
     )
     parser.add_argument("--f-ms", type=float, default=5.0, help="forward sleep per layer (ms)")
     parser.add_argument("--chunks", type=int, default=8, help="micro-batches per step")

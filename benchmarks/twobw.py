@@ -1,9 +1,13 @@
 """PipeDream-2BW against 1F1B on the reference workload: steady-state step time.
 
 A flushing schedule pays the fill and drain of the pipeline in every step; 2BW pays it once
-per run, so its steady-state step tends to the no-bubble limit, the compute of one stage
-(``M * 3F * L``). Each rank times ``--steps`` consecutive steps with no barrier between them
-(a barrier would drain the 2BW pipeline) and divides; the table gives the slowest rank.
+per run, so its steady-state step tends to the no-bubble limit, the compute of one stage:
+nominally ``M * 3F * L``; measured, ``M * (forward + backward)`` of one stage's ``L`` layers
+on one micro-batch as :func:`benchmarks.calibration.calibrate` times them in this process
+before and after the runs (what the stage's compute costs on this host with nothing else
+running). Each rank times
+``--steps`` consecutive steps with no barrier between them (a barrier would drain the 2BW
+pipeline) and divides; the table gives the slowest rank.
 
 Run:
     python -m benchmarks.twobw --f-ms 3 --chunks 8 --steps 20 --runs 3
@@ -22,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .calibration import StageCosts, calibrate
 from .launch import launch_workers
 from .sections import provenance, write_section
 from .workload import BUSY, build_model, make_batch
@@ -94,21 +99,34 @@ def _rows(records: list[dict[str, Any]], schedules: list[str]) -> list[dict[str,
     return rows
 
 
-def table(rows: list[dict[str, float]], schedules: list[str], limit: float) -> str:
+def table(rows: list[dict[str, float]], schedules: list[str], limit: float, measured: float) -> str:
     """The markdown table of one run: step and compute time per schedule, against the
-    no-bubble limit and against 1F1B."""
+    no-bubble limit (nominal and measured) and against 1F1B."""
     lines = [
-        "| schedule | step ms | compute ms | / limit | / compute | vs 1f1b |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| schedule | step ms | compute ms | / limit | / measured limit | / compute | vs 1f1b |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     steps = dict(zip(schedules, (r["step_s"] for r in rows), strict=True))
     for schedule, row in zip(schedules, rows, strict=True):
         versus = row["step_s"] / steps["1f1b"] if "1f1b" in steps else float("nan")
         lines.append(
             f"| {schedule} | {row['step_s'] * 1e3:.1f} | {row['busy_s'] * 1e3:.1f} | "
-            f"{row['step_s'] / limit:.3f} | {row['step_s'] / row['busy_s']:.3f} | {versus:.3f} |"
+            f"{row['step_s'] / limit:.3f} | {row['step_s'] / measured:.3f} | "
+            f"{row['step_s'] / row['busy_s']:.3f} | {versus:.3f} |"
         )
     return "\n".join(lines)
+
+
+def measured_limit(calibrations: list[StageCosts], chunks: int) -> float:
+    """Seconds one stage computes per mini-batch of ``chunks`` micro-batches with the
+    calibrated costs (mean of the calibrations): the no-bubble limit on this host."""
+    per_microbatch = [c.forward_s + c.backward_s for c in calibrations]
+    return chunks * sum(per_microbatch) / len(per_microbatch)
+
+
+def _calibration_text(calibrations: list[StageCosts]) -> str:
+    each = ", ".join(f"{c.forward_s * 1e3:.2f} + {c.backward_s * 1e3:.2f} ms" for c in calibrations)
+    return f"one stage on one micro-batch, forward + backward, before and after the runs: {each}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,11 +162,16 @@ def main(argv: list[str] | None = None) -> int:
     schedules = args.schedules.split(",")
     layers = 8 // args.ranks
     limit = args.chunks * 3 * args.f_ms / 1000.0 * layers
+    print("calibrating one stage ...", file=sys.stderr)
+    calibrations = [calibrate(args.f_ms, args.micro_batch, args.shape, layers)]
     runs = []
     for n in range(args.runs):
         print(f"run {n + 1}/{args.runs}: {', '.join(schedules)}", file=sys.stderr)
         records = launch_workers("benchmarks.twobw", worker_argv, args.ranks, args.ranks)
         runs.append(_rows(records, schedules))
+    print("calibrating again ...", file=sys.stderr)
+    calibrations.append(calibrate(args.f_ms, args.micro_batch, args.shape, layers))
+    measured = measured_limit(calibrations, args.chunks)
     last = schedules[-1]
     runs.sort(key=lambda rows: rows[-1]["step_s"])
     median = runs[(len(runs) - 1) // 2]
@@ -156,7 +179,9 @@ def main(argv: list[str] | None = None) -> int:
         f"Reference workload: {args.ranks} ranks, {layers} layers each, F = {args.f_ms:g} ms, "
         f"chunks {args.chunks}, micro-batch {args.micro_batch}, {args.shape} shape, "
         f"{args.warmup} warm-up + {args.steps} timed steps per run; no-bubble limit "
-        f"{limit * 1e3:.1f} ms"
+        f"{limit * 1e3:.1f} ms nominal, {measured * 1e3:.1f} ms measured ("
+        + _calibration_text(calibrations)
+        + ")"
     )
     notes = []
     if len(runs) > 1:
@@ -164,6 +189,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{s} / limit": [rows[i]["step_s"] / limit for rows in runs]
             for i, s in enumerate(schedules)
         }
+        spread.update(
+            {
+                f"{s} / measured limit": [rows[i]["step_s"] / measured for rows in runs]
+                for i, s in enumerate(schedules)
+            }
+        )
         if "1f1b" in schedules:
             one = schedules.index("1f1b")
             for i, s in enumerate(schedules):
@@ -179,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                 for name, values in spread.items()
             )
         )
-    text = table(median, schedules, limit)
+    text = table(median, schedules, limit, measured)
     print(head, text, *notes, sep="\n")
     if args.markdown is not None:
         lines = provenance("benchmarks.twobw", argv, time.monotonic() - started)

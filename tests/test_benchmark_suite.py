@@ -24,6 +24,8 @@ from benchmarks.suite_report import (  # noqa: E402
     text_table,
 )
 from benchmarks.suite_runs import SuiteRow, twobw_table  # noqa: E402
+from benchmarks.transports import round_trip_table  # noqa: E402
+from benchmarks.twobw import measured_limit, table  # noqa: E402
 
 
 def _rows() -> list[SuiteRow]:
@@ -110,6 +112,27 @@ def test_twobw_table() -> None:
     lines = twobw_table(rows).splitlines()
     assert lines[2] == "| 4 | 8 | 360.0 | 264.0 | 240.0 | 1.10x | 0.73x |"
     assert lines[3].startswith("| 2 | 8 | did not run: the benchmark failed: x")
+
+
+def test_twobw_benchmark_limit_is_the_calibrated_stage_and_both_ratios_are_shown() -> None:
+    from benchmarks.calibration import StageCosts
+
+    costs = [StageCosts(0.006, 0.012, 30), StageCosts(0.0062, 0.0124, 30)]
+    assert measured_limit(costs, chunks=8) == pytest.approx(8 * 0.0183)  # mean of the two
+    rows = [{"step_s": 0.2, "busy_s": 0.14}, {"step_s": 0.15, "busy_s": 0.14}]
+    lines = table(rows, ["1f1b", "2bw"], limit=0.144, measured=0.15).splitlines()
+    assert "/ measured limit" in lines[0]
+    assert lines[3] == "| 2bw | 150.0 | 140.0 | 1.042 | 1.000 | 1.071 | 0.750 |"
+
+
+def test_round_trip_table_gives_microseconds_and_ratios_to_raw() -> None:
+    trips = {
+        "raw": {"best_s": 200e-6, "median_s": 250e-6},
+        "p2p": {"best_s": 300e-6, "median_s": 400e-6},
+        "rpc": {"best_s": 1e-3, "median_s": 2e-3},
+    }
+    row = round_trip_table(trips, micro_batch=8).splitlines()[2]
+    assert row == "| (8, 1024) | 200 us | 300 us | 1000 us | 1.50 | 5.00 | 1.60 / 8.00 |"
 
 
 def test_section_names_the_device_and_carries_every_part(tmp_path: Path) -> None:
