@@ -105,7 +105,7 @@ PARTS: tuple[Part, ...] = (
         "benchmarks.transports",
         "transports.md",
         ("transports",),
-        "bandwidth of p2p and rpc, step time over each against fairscale",
+        "bandwidth and round trip of p2p and rpc, step time over each against fairscale",
         3.0,
         quick=_args("--processes 2 --messages 20 --trips 20 --bandwidth-only"),
     ),
