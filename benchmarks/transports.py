@@ -10,11 +10,11 @@ compute in between; rank 1 times from telling rank 0 to start to its last messag
 ``rpc`` are asyncpipe's transports carrying the same tensor in a message, receives posted ahead
 as the runtime posts them. Each method runs ``--trials`` bursts, the methods taking turns; the
 table gives the best burst of each (the least disturbed by the machine) and the ratios of the
-medians beside. Round trip: ranks 0 and 1 send a small tensor back and forth ``--trips``
-times per trial, each message sent when the previous one came back (one hop's latency); raw
-is the process group's own send/recv, as ``p2p`` calls them. Step time: ``AsyncPipe`` with the GPipe, 1F1B and zero-bubble schedules on the
-reference workload (8 sleep layers, F ms forward) over each transport, and fairscale's
-``AsyncPipe`` (fill-drain, over RPC) on the same workload.
+medians beside. Round trip: ranks 0 and 1 send a small tensor back and forth ``--trips`` times
+per trial, each message sent when the previous one came back (one hop's latency); raw is the
+process group's own send/recv, as ``p2p`` calls them. Step time: ``AsyncPipe`` with the GPipe,
+1F1B and zero-bubble schedules on the reference workload (8 sleep layers, F ms forward) over
+each transport, and fairscale's ``AsyncPipe`` (fill-drain, over RPC) on the same workload.
 """
 
 from __future__ import annotations
