@@ -5,9 +5,8 @@ per run, so its steady-state step tends to the no-bubble limit, the compute of o
 nominally ``M * 3F * L``; measured, ``M * (forward + backward)`` of one stage's ``L`` layers
 on one micro-batch as :func:`benchmarks.calibration.calibrate` times them in this process
 before and after the runs (what the stage's compute costs on this host with nothing else
-running). Each rank times
-``--steps`` consecutive steps with no barrier between them (a barrier would drain the 2BW
-pipeline) and divides; the table gives the slowest rank.
+running). Each rank times ``--steps`` consecutive steps with no barrier between them (a
+barrier would drain the 2BW pipeline) and divides; the table gives the slowest rank.
 
 Run:
     python -m benchmarks.twobw --f-ms 3 --chunks 8 --steps 20 --runs 3
