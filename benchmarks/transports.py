@@ -24,6 +24,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -176,6 +177,21 @@ def _round_trip(
     return seconds if rank == 0 else None
 
 
+def _in_turns(
+    methods: tuple[str, ...], trials: int, measure: Callable[..., float | None], *rest: Any
+) -> dict[str, list[float]]:
+    """``trials`` values of ``measure(method, *rest)`` for each method, the methods taking
+    turns (against the machine's drifts); only those this rank measured (None elsewhere)."""
+    out: dict[str, list[float]] = {method: [] for method in methods}
+    for trial in range(trials):
+        turn = trial % len(methods)
+        for method in methods[turn:] + methods[:turn]:
+            value = measure(method, *rest)
+            if value is not None:
+                out[method].append(value)
+    return out
+
+
 def _step_time(
     transport: str, f_ms: float, chunks: int, steps: int, schedule: str
 ) -> dict[str, float]:
@@ -232,25 +248,21 @@ def worker(args: argparse.Namespace) -> int:
         transports: dict[str, Any] = {}
         methods = ("raw", "p2p", "rpc")
         for method in methods:
-            _bandwidth(method, shape, 2 * SLOTS, transports, device)  # warm up: slots learn
-        trials: dict[str, list[float]] = {method: [] for method in methods}  # their sizes
-        for trial in range(args.trials):  # the methods take turns, against drifts
-            for method in methods[trial % 3 :] + methods[: trial % 3]:
-                seconds = _bandwidth(method, shape, count, transports, device)
-                if seconds is not None:
-                    trials[method].append(seconds)
+            _bandwidth(method, shape, 2 * SLOTS, transports, device)  # warm up
+        # (the warm-up let the slots learn their sizes)
+        trials = _in_turns(methods, args.trials, _bandwidth, shape, count, transports, device)
         if label == "small":  # the latency of a hop, with the same transports
             for method in methods:
                 _round_trip(method, shape, 2 * SLOTS, transports, device)  # warm up
-            trips: dict[str, list[float]] = {method: [] for method in methods}
-            for trial in range(args.trials):
-                for method in methods[trial % 3 :] + methods[: trial % 3]:
-                    took = _round_trip(method, shape, args.trips, transports, device)
-                    if took is not None:
-                        trips[method].append(took / args.trips)
+            trips = _in_turns(
+                methods, args.trials, _round_trip, shape, args.trips, transports, device
+            )
             if trips["raw"]:
                 record["round_trip"] = {
-                    method: {"best_s": min(t), "median_s": statistics.median(t)}
+                    method: {
+                        "best_s": min(t) / args.trips,
+                        "median_s": statistics.median(t) / args.trips,
+                    }
                     for method, t in trips.items()
                 }
         for method, seconds in trials.items():
