@@ -266,9 +266,10 @@ def check_options(
     if not (isinstance(trace_every, int) and trace_every > 0):
         problems.append(f"trace_every must be a positive number of steps (got {trace_every!r})")
     if isinstance(transport, str):
-        if transport not in ("p2p", "rpc"):
+        if transport not in ("p2p", "shm", "rpc"):
             problems.append(
-                f"transport must be 'p2p', 'rpc' or a Transport object (got {transport!r})"
+                f"transport must be 'p2p', 'shm', 'rpc' or a Transport object (got "
+                f"{transport!r})"
             )
         elif not dist.is_initialized():
             problems.append(
@@ -283,7 +284,8 @@ def check_options(
             )
     elif not isinstance(transport, Transport):
         problems.append(
-            f"transport must be 'p2p', 'rpc' or a Transport object (got {type(transport).__name__})"
+            f"transport must be 'p2p', 'shm', 'rpc' or a Transport object (got "
+            f"{type(transport).__name__})"
         )
     if problems:
         raise ValueError("; ".join(problems))

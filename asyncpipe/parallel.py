@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .group import GroupRef
-from .transport import P2PTransport, RPCTransport, Transport
+from .transport import P2PTransport, RPCTransport, ShmTransport, Transport
 
 __all__: list[str] = []
 
@@ -161,6 +161,8 @@ def connect(
             name=f"pipe-replica{data_parallel_rank}",
         )
         return rpc, data_parallel_rank, data_parallel_group
-    if isinstance(transport, str):
+    if transport == "shm":
+        transport = ShmTransport(group=pipeline_group, device=device)
+    elif isinstance(transport, str):
         transport = P2PTransport(group=pipeline_group, device=device, down_group=down_group)
     return transport, data_parallel_rank, data_parallel_group

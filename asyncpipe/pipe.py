@@ -31,7 +31,7 @@ from .skip.routes import find_routes
 from .stream import Stream, check_two_bw_options
 from .trace import TraceWriter
 from .trace.recorder import Recorder
-from .transport import P2PTransport, Transport
+from .transport import P2PTransport, ShmTransport, Transport
 from .work import LossFn, Work
 
 __all__: list[str] = []
@@ -75,8 +75,10 @@ class AsyncPipe(DelayedUpdates, ManualBackward, nn.Module):
             statistics, the running statistics are updated once per mini-batch with those of the
             whole mini-batch (a BatchNorm layer that is the whole layer is replaced, nested ones
             are swapped inside the caller's layer).
-        transport: ``"p2p"`` (torch.distributed send/recv), ``"rpc"``
-            (torch.distributed.rpc; call ``asyncpipe.init(rpc=True)``) or a ``Transport``.
+        transport: ``"p2p"`` (torch.distributed send/recv), ``"shm"`` (shared memory
+            between the processes of one host, over gloo; see
+            :class:`~asyncpipe.transport.ShmTransport`), ``"rpc"`` (torch.distributed.rpc;
+            call ``asyncpipe.init(rpc=True)``) or a ``Transport``.
         timeout: seconds any wait for another rank may take before it fails naming that rank.
         device: where this rank computes and receives tensors (default: CPU, or the current
             CUDA device with NCCL). On a CUDA device the rank's own layers are moved there in
@@ -234,7 +236,7 @@ class AsyncPipe(DelayedUpdates, ManualBackward, nn.Module):
         owners = [seg.stage for seg in segments]
         global_rank = (
             {r: transport.global_rank(r) for r in range(transport.world_size)}
-            if isinstance(transport, P2PTransport)
+            if isinstance(transport, (P2PTransport, ShmTransport))
             else None
         )
         self._shared = SharedWeights(

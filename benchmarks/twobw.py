@@ -32,14 +32,16 @@ from .workload import BUSY, build_model, make_batch
 
 __all__ = ["main"]
 
-SCHEDULES = ("1f1b", "2bw", "2bw-lookahead2")
-"""What a run measures: ``"2bw-lookahead2"`` is ``schedule="2bw", lookahead=2``."""
+SCHEDULES = ("1f1b", "2bw", "2bw-lookahead2", "1f1b@shm", "2bw-lookahead2@shm")
+"""What a run measures: ``"2bw-lookahead2"`` is ``schedule="2bw", lookahead=2``; ``@shm``
+runs it over the shared-memory transport instead of p2p."""
 
 
-def _schedule(name: str) -> tuple[str, int]:
-    """(schedule, lookahead) of a row's name."""
+def _schedule(name: str) -> tuple[str, int, str]:
+    """(schedule, lookahead, transport) of a row's name."""
+    name, _, transport = name.partition("@")
     base, _, lookahead = name.partition("-lookahead")
-    return base, int(lookahead or 1)
+    return base, int(lookahead or 1), transport or "p2p"
 
 
 def _loss(output: object, target: object) -> torch.Tensor:
@@ -58,7 +60,7 @@ def worker(args: argparse.Namespace) -> int:
     for schedule in args.schedules.split(","):
         model = build_model(args.f_ms, sum(balance))
         x, y = make_batch(args.chunks, args.micro_batch, args.shape)
-        name, lookahead = _schedule(schedule)
+        name, lookahead, transport = _schedule(schedule)
         pipe = asyncpipe.AsyncPipe(
             model,
             balance,
@@ -66,6 +68,7 @@ def worker(args: argparse.Namespace) -> int:
             checkpoint="never",
             schedule=name,
             lookahead=lookahead,
+            transport=transport,
         )
         optimizer = torch.optim.SGD(pipe.parameters(), lr=1e-6)
         for _ in range(args.warmup):

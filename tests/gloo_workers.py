@@ -227,14 +227,16 @@ class Fail(nn.Module):
         return out
 
 
-def failure(rank: int, world: int, where: str) -> Any:
+def failure(rank: int, world: int, where: str, transport: str = "p2p") -> Any:
     """Run a step where stage 1 fails; return what each rank saw and how long it took."""
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Linear(8, 8), Fail(where), *[nn.Linear(8, 8) for _ in range(world - 2)]
     )
     timeout = 2.0 if where == "sleep" else 30.0
-    pipe = AsyncPipe(model, [1] * world, chunks=4, checkpoint="never", timeout=timeout)
+    pipe = AsyncPipe(
+        model, [1] * world, chunks=4, checkpoint="never", timeout=timeout, transport=transport
+    )
     began = time.monotonic()
     try:
         pipe.step(torch.randn(8, 8), torch.randn(8, 8), mse)

@@ -61,6 +61,6 @@ def auto_balance(
 
 
 def _p2p(transport: Transport) -> bool:
-    from ..transport import P2PTransport
+    from ..transport import P2PTransport, ShmTransport
 
-    return isinstance(transport, P2PTransport)
+    return isinstance(transport, (P2PTransport, ShmTransport))

@@ -1,9 +1,11 @@
-"""Transports: one interface, several carriers (point-to-point, RPC, in-process)."""
+"""Transports: one interface, several carriers (point-to-point, shared memory, RPC,
+in-process)."""
 
 from .base import Message, PendingRecv, Transport, TransportTimeout
 from .inprocess import InProcessHub, InProcessTransport
 from .p2p import P2PTransport
 from .rpc import RPCTransport
+from .shm import ShmTransport
 
 __all__ = [
     "InProcessHub",
@@ -12,6 +14,7 @@ __all__ = [
     "P2PTransport",
     "PendingRecv",
     "RPCTransport",
+    "ShmTransport",
     "Transport",
     "TransportTimeout",
 ]

@@ -1,0 +1,460 @@
+"""Shared-memory transport: the ranks of one host write messages straight into each other's
+memory, with no sockets and no system calls on the way unless a receiver sleeps.
+
+Every ordered pair of ranks has a byte ring (see :mod:`.ring`) that carries that direction's
+messages one after another, each as a frame::
+
+    [ length | channel | header | pad | tensor 0 | pad | tensor 1 ... ]
+      int64    int64     the p2p transport's packed message (see :mod:`.frame`)
+
+A send copies the frame into the ring and rings the receiver's doorbell; what does not fit
+waits in a queue of the sender's, written by its next calls into the transport (every send,
+receive, wait and flush moves what it can), so a send never blocks. Any wait reads every
+incoming ring to the end, copying each finished frame out into a buffer of its own, and files
+its message by (peer, channel): a receive takes the n-th message of its (peer, channel), n
+being the order it was posted in. Rings and doorbells are named with a token of the
+transport's own, agreed over the process group, and unlinked as soon as every rank has opened
+them, so nothing is left behind in ``/dev/shm`` even when a process is killed.
+"""
+
+from __future__ import annotations
+
+import array
+import ctypes
+import os
+import platform
+import secrets
+import socket
+import struct
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..group import GroupRef
+from .base import Message, PendingRecv, Transport, TransportTimeout
+from .frame import ERROR, HEADER_SIZE, decode_header, encode, error_header, error_text, layout
+from .frame import read_fields, views
+from .ring import Doorbell, Ring, alive, unlink_doorbell, unlink_segment
+
+__all__: list[str] = []
+
+_PREFIX = struct.Struct("qq")  # frame length, channel
+_MICROBATCHES = struct.Struct("qq")  # header fields 3 and 4, at bytes 24 to 40
+_SLICE = 0.05
+"""Longest sleep of a wait between looks at the rings (a doorbell rung in the instant a
+writer's flag was read may be missed; the next look finds what it announced)."""
+_LIVENESS = 1.0
+"""Seconds between checks that the peer a wait depends on still runs."""
+_PAD = ctypes.create_string_buffer(64)
+
+
+class _Piece:
+    """Bytes of a frame not yet in the ring: ``size`` bytes at ``address`` (kept alive by
+    ``keep``), sent to ``dst`` on ``channel`` for ``slot``."""
+
+    __slots__ = ("keep", "address", "size", "key", "deferred")
+
+    def __init__(self, keep: object, address: int, size: int, key: tuple[int, int]) -> None:
+        self.keep, self.address, self.size, self.key = keep, address, size, key
+        self.deferred = False
+
+
+class _ShmRecv(PendingRecv):
+    def __init__(self, transport: ShmTransport, src: int, key: tuple[int, int], index: int):
+        self.transport, self.src, self.key, self.index = transport, src, key, index
+
+    def wait(self, timeout: float) -> Message:
+        return self.transport.take(self.src, self.key, self.index, timeout)
+
+
+class ShmTransport(Transport):
+    """Messages through shared memory between the processes of one host.
+
+    For pipelines whose ranks share a host (one machine's CPU, or processes sharing a GPU):
+    a hop costs a copy into the ring and one out, about ten microseconds for a small message
+    where a loopback socket costs hundreds. The process group is used once, to agree on the
+    names; later messages never touch it, and collectives (data parallelism, shared weights)
+    keep using it. Linux on x86-64 only; the group must use gloo.
+
+    Args:
+        group: the process group of the pipeline (default: the whole world); pipeline rank
+            ``r`` is the ``r``-th rank of the group. Collective: every rank of the group
+            builds its transport at the same time.
+        device: where received tensors are placed (CUDA tensors travel through host memory).
+        ring_bytes: bytes of each ring (one per ordered pair of ranks, reserved in
+            ``/dev/shm`` when the transport is built). A message larger than a ring still
+            goes, in pieces, as the receiver takes them.
+        spin: seconds a wait keeps looking at the rings (yielding the processor between
+            looks) before it sleeps on its doorbell: waking a sleeping process costs tens of
+            microseconds, and a message is often that close.
+
+    Example:
+        >>> pipe = asyncpipe.AsyncPipe(model, [2, 2], transport="shm")  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | None = None,
+        ring_bytes: int = 8 * 2**20,
+        spin: float = 200e-6,
+    ) -> None:
+        problems = []
+        if not dist.is_initialized():
+            problems.append(
+                "the shm transport agrees on its names over torch.distributed: call "
+                "asyncpipe.init() first and launch with torchrun, e.g. torchrun --standalone "
+                "--nproc-per-node=2 train.py"
+            )
+        elif "gloo" not in str(dist.get_backend(group)):
+            problems.append(
+                f"the shm transport needs a gloo process group (got "
+                f"{dist.get_backend(group)}); call asyncpipe.init(backend='gloo'), or use "
+                f"transport='p2p' over NCCL"
+            )
+        machine = platform.machine().lower()
+        if not sys.platform.startswith("linux") or machine not in ("x86_64", "amd64"):
+            problems.append(
+                f"the shm transport runs on Linux on x86-64 only (this is {sys.platform} on "
+                f"{machine}); use transport='p2p'"
+            )
+        elif not os.path.isdir("/dev/shm"):
+            problems.append("the shm transport needs /dev/shm; use transport='p2p'")
+        if not (isinstance(ring_bytes, int) and ring_bytes >= 2**16):
+            problems.append(f"ring_bytes must be an integer of at least 65536 (got {ring_bytes!r})")
+        if not (isinstance(spin, (int, float)) and 0 <= spin < 1):
+            problems.append(f"spin must be a number of seconds in [0, 1) (got {spin!r})")
+        if problems:
+            raise ValueError("; ".join(problems))
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self._ranks = [
+            dist.get_global_rank(group, r) if group else r for r in range(self.world_size)
+        ]
+        self._group = GroupRef(group)
+        self.device = device or torch.device("cpu")
+        self.ring_bytes, self.spin = ring_bytes, float(spin)
+        peers = [r for r in range(self.world_size) if r != self.rank]
+        self._peers = peers
+        self._in: dict[int, Ring] = {}
+        self._out: dict[int, Ring] = {}
+        self._bells: dict[int, Doorbell] = {}
+        self._spill: dict[int, deque[_Piece]] = {peer: deque() for peer in peers}
+        self._partial: dict[int, tuple[Tensor, int, int]] = {}
+        self._arrived: dict[tuple[int, int], dict[int, Message]] = {}
+        self._received: dict[tuple[int, int], int] = {}
+        self._posted: dict[tuple[int, int], int] = {}
+        self._layouts: dict[tuple[object, ...], tuple[list[int], list[int]]] = {}
+        self._decoded: dict[bytes, tuple[list[tuple[int, bool, list[int]]], list[int]]] = {}
+        self._prefix = (ctypes.c_int64 * 2)()
+        self._pids = self._connect(group, peers)
+
+    # -- set-up ------------------------------------------------------------------------------
+
+    def _gather(self, group: dist.ProcessGroup | None, value: object) -> list[object]:
+        values: list[object] = [None] * self.world_size
+        dist.all_gather_object(values, value, group=group)
+        return values
+
+    def _connect(self, group: dist.ProcessGroup | None, peers: list[int]) -> list[int]:
+        """Agree on a token, create this rank's incoming rings and doorbell, open the peers',
+        then unlink the names. Returns the peers' process ids, by pipeline rank."""
+        try:
+            with open("/proc/sys/kernel/random/boot_id") as f:
+                boot = f.read().strip()
+        except OSError:
+            boot = ""
+        me = (secrets.token_hex(6), socket.gethostname(), boot, os.getpid())
+        infos = self._gather(group, me)
+        hosts = [(str(i[1]), str(i[2])) for i in infos]  # type: ignore[index]
+        if len(set(hosts)) > 1:
+            where = ", ".join(f"rank {r} on {h[0]}" for r, h in enumerate(hosts))
+            raise ValueError(
+                f"the shm transport moves messages through one host's memory, so every rank of "
+                f"the pipeline must run on the same host ({where}); use transport='p2p' across "
+                f"hosts"
+            )
+        token = str(infos[0][0])  # type: ignore[index]
+        pids = [int(i[3]) for i in infos]  # type: ignore[index]
+
+        def ring(src: int, dst: int) -> str:
+            return f"asyncpipe-{token}-{src}-{dst}"
+
+        created: list[Ring | Doorbell] = []
+        try:
+            self._check(group, "create", lambda: self._create(ring, token, peers, created))
+        except BaseException:  # failed here or elsewhere: drop what this rank made
+            for thing in created:
+                thing.unlink()
+            raise
+        try:
+            self._check(group, "open", lambda: self._open(ring, token, peers))
+        finally:
+            # every rank has opened every name (or gives up): drop them all, whoever is first,
+            # so none outlives the transport's construction on any rank
+            for src in range(self.world_size):
+                unlink_doorbell(f"/asyncpipe-{token}-{src}")
+                for dst in range(self.world_size):
+                    if dst != src:
+                        unlink_segment(ring(src, dst))
+        return pids
+
+    def _create(
+        self,
+        ring: Callable[[int, int], str],
+        token: str,
+        peers: list[int],
+        created: list[Ring | Doorbell],
+    ) -> None:
+        for src in peers:
+            self._in[src] = Ring(ring(src, self.rank), self.ring_bytes, create=True)
+            created.append(self._in[src])
+        self._bell = Doorbell(f"/asyncpipe-{token}-{self.rank}", create=True)
+        created.append(self._bell)
+
+    def _open(self, ring: Callable[[int, int], str], token: str, peers: list[int]) -> None:
+        for dst in peers:
+            self._out[dst] = Ring(ring(self.rank, dst), self.ring_bytes, create=False)
+            self._bells[dst] = Doorbell(f"/asyncpipe-{token}-{dst}", create=False)
+
+    def _check(
+        self, group: dist.ProcessGroup | None, what: str, job: Callable[[], None]
+    ) -> None:
+        """Run ``job`` on every rank; if it failed anywhere, raise the same error everywhere."""
+        try:
+            job()
+            outcome = ""
+        except OSError as e:
+            outcome = str(e)
+        failed = [(r, o) for r, o in enumerate(self._gather(group, outcome)) if o]
+        if failed:
+            self.close()
+            raise RuntimeError(
+                f"the shm transport could not {what} its shared memory: "
+                + "; ".join(f"rank {r}: {o}" for r, o in failed)
+            )
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The pipeline's process group (used only to set up, and by collectives)."""
+        return self._group()
+
+    def global_rank(self, rank: int) -> int:
+        return self._ranks[rank]
+
+    # -- sending -----------------------------------------------------------------------------
+
+    def _layout(
+        self, message: Message, payload: Sequence[Tensor | None]
+    ) -> tuple[list[int], list[int]]:
+        kinds = tuple(
+            None if t is None else (t.dtype, t.requires_grad, tuple(t.shape)) for t in payload
+        )
+        known = self._layouts.get(kinds)
+        if known is None:
+            known = self._layouts[kinds] = encode(message, payload)
+        fields = list(known[0])
+        fields[3], fields[4] = message.microbatch, message.microbatches
+        return fields, known[1]
+
+    def send(self, dst: int, channel: int, message: Message) -> None:
+        key = (channel, message.microbatch)
+        queue = self._spill[dst]
+        if message.error is not None:  # the text rides in the header
+            header = error_header(message).view(torch.uint8)
+            prefix = ctypes.create_string_buffer(_PREFIX.pack(header.numel(), channel), 16)
+            queue.append(_Piece(prefix, ctypes.addressof(prefix), 16, key))
+            queue.append(_Piece(header, header.data_ptr(), header.numel(), key))
+            self._push(dst)
+            return
+        payload = list(message.tensors)
+        fields, offsets = self._layout(message, payload)
+        total = fields[5]
+        raw = _PREFIX.pack(total, channel) + array.array("q", fields).tobytes()
+        head = ctypes.create_string_buffer(raw, 16 + (offsets[0] if offsets else total))
+        queue.append(_Piece(head, ctypes.addressof(head), len(head), key))
+        at = offsets[0] if offsets else total
+        for tensor, offset in zip(payload, offsets):
+            if tensor is None:
+                continue
+            if offset > at:
+                queue.append(_Piece(_PAD, ctypes.addressof(_PAD), offset - at, key))
+            data = tensor.detach()
+            if data.device.type != "cpu" or not data.is_contiguous() or data.is_conj():
+                data = data.resolve_conj().contiguous().cpu()
+            if data.nbytes:
+                queue.append(_Piece(data, data.data_ptr(), data.nbytes, key))
+            at = offset + data.nbytes
+        if total > at:
+            queue.append(_Piece(_PAD, ctypes.addressof(_PAD), total - at, key))
+        self._push(dst)
+
+    def _push(self, dst: int) -> bool:
+        """Write what fits of ``dst``'s queue into its ring; whether anything moved."""
+        queue, ring = self._spill[dst], self._out[dst]
+        moved = False
+        while queue:
+            piece = queue[0]
+            n = ring.write(piece.address, piece.size)
+            moved = moved or n > 0
+            if n < piece.size:
+                piece.address += n
+                piece.size -= n
+                ring.waiting = True
+                break
+            queue.popleft()
+        else:
+            if ring.waiting:
+                ring.waiting = False
+        if moved:
+            self._bells[dst].ring()
+        return moved
+
+    # -- receiving ---------------------------------------------------------------------------
+
+    def recv(self, src: int, channel: int, slot: int = 0) -> PendingRecv:
+        key = (src, channel)
+        index = self._posted.get(key, 0)
+        self._posted[key] = index + 1
+        return _ShmRecv(self, src, key, index)
+
+    def _drain(self, src: int) -> bool:
+        """Read what ``src`` has written; file each finished message. Whether anything moved."""
+        ring = self._in[src]
+        moved = False
+        while True:
+            part = self._partial.pop(src, None)
+            if part is None:
+                if ring.available() < _PREFIX.size:
+                    break
+                ring.take(ctypes.addressof(self._prefix), _PREFIX.size)
+                total, channel = self._prefix[0], self._prefix[1]
+                part = (torch.empty(total, dtype=torch.uint8), 0, channel)
+                moved = True
+            buffer, filled, channel = part
+            got = ring.take(buffer.data_ptr() + filled, buffer.numel() - filled)
+            moved = moved or got > 0
+            if filled + got < buffer.numel():
+                self._partial[src] = (buffer, filled + got, channel)
+                break
+            key = (src, channel)
+            n = self._received.get(key, 0)
+            self._received[key] = n + 1
+            self._arrived.setdefault(key, {})[n] = self._decode(buffer)
+        if moved and ring.waiting:
+            self._bells[src].ring()
+        return moved
+
+    def _decode(self, buffer: Tensor) -> Message:
+        base = buffer.data_ptr()
+        magic_count = (ctypes.c_int64 * 2).from_address(base)
+        count = magic_count[1]
+        if not 7 <= count <= HEADER_SIZE or 8 * count > buffer.numel():
+            read_fields(buffer)  # raises the explanation
+        head = ctypes.string_at(base, 8 * count)
+        shape = head[:24] + head[40:]
+        known = self._decoded.get(shape)
+        if known is None:
+            fields = read_fields(buffer)
+            if fields[2] == ERROR:
+                return Message(fields[3], fields[4], (), error=error_text(fields))
+            _, _, _, _, specs = decode_header(fields)
+            offsets, _ = layout(len(fields), specs)
+            known = (specs, offsets)
+            if len(self._decoded) < 256:
+                self._decoded[shape] = known
+        microbatch, microbatches = _MICROBATCHES.unpack_from(head, 24)
+        specs, offsets = known
+        on_host = self.device.type == "cpu"
+        tensors = views(buffer, specs, offsets, grad=on_host)
+        if not on_host:
+            tensors = [t if t is None else t.to(self.device) for t in tensors]
+            for tensor, (_, requires_grad, _) in zip(tensors, specs):
+                if tensor is not None and requires_grad:
+                    tensor.requires_grad_(True)
+        return Message(microbatch, microbatches, tuple(tensors))
+
+    def _progress(self) -> bool:
+        """Read every incoming ring and write every queue; whether anything moved."""
+        moved = False
+        for peer in self._peers:
+            if self._drain(peer):
+                moved = True
+            if self._spill[peer] and self._push(peer):
+                moved = True
+        return moved
+
+    def take(self, src: int, key: tuple[int, int], index: int, timeout: float) -> Message:
+        """The ``index``-th message from ``src`` on channel ``key[1]``, waiting for it at most
+        ``timeout`` s (a TransportTimeout, or a ConnectionError once ``src`` has exited)."""
+        now = time.monotonic()
+        deadline, check, spin = now + timeout, now + _LIVENESS, now + self.spin
+        while True:
+            box = self._arrived.get(key)
+            if box is not None and index in box:
+                return box.pop(index)
+            if self._progress():
+                continue
+            now = time.monotonic()
+            if now < spin:
+                os.sched_yield()
+                continue
+            if now >= deadline:
+                raise TransportTimeout(
+                    f"rank {self.rank} timed out after {timeout:.1f} s waiting for a message "
+                    f"from rank {src}; that rank is slow, stuck or gone (raise the pipeline's "
+                    f"timeout if its work really takes longer)"
+                )
+            if now >= check:
+                self._alive(src, "a message")
+                check = now + _LIVENESS
+            self._bell.wait(min(deadline - now, check - now, _SLICE))
+
+    def _alive(self, peer: int, what: str) -> None:
+        pid = self._pids[peer]
+        if not alive(pid):
+            raise ConnectionError(
+                f"rank {self.rank} lost rank {peer} (process {pid} exited) while waiting for "
+                f"{what}"
+            )
+
+    # -- completion --------------------------------------------------------------------------
+
+    def defer(self, dst: int, channel: int, slot: int) -> None:
+        for piece in self._spill[dst]:
+            if piece.key == (channel, slot):
+                piece.deferred = True
+
+    def flush(self, timeout: float) -> None:
+        """Wait until every message sent so far is in its ring (but those deferred)."""
+        deadline = time.monotonic() + timeout
+        check = time.monotonic() + _LIVENESS
+        while True:
+            self._progress()
+            waiting = [d for d, q in self._spill.items() if any(not p.deferred for p in q)]
+            if not waiting:
+                break
+            now = time.monotonic()
+            if now >= deadline:
+                raise TransportTimeout(
+                    f"rank {self.rank} could not finish its sends within {timeout:.1f} s: "
+                    f"rank(s) {waiting} took no more of them"
+                )
+            if now >= check:
+                for dst in waiting:
+                    self._alive(dst, "it to take a message")
+                check = now + _LIVENESS
+            self._bell.wait(min(deadline - now, check - now, _SLICE))
+        for queue in self._spill.values():
+            for piece in queue:
+                piece.deferred = False
+
+    def close(self) -> None:
+        for ring in [*self._in.values(), *self._out.values()]:
+            ring.close()
+        self._in, self._out, self._bells = {}, {}, {}
