@@ -268,8 +268,7 @@ def check_options(
     if isinstance(transport, str):
         if transport not in ("p2p", "shm", "rpc"):
             problems.append(
-                f"transport must be 'p2p', 'shm', 'rpc' or a Transport object (got "
-                f"{transport!r})"
+                f"transport must be 'p2p', 'shm', 'rpc' or a Transport object (got {transport!r})"
             )
         elif not dist.is_initialized():
             problems.append(

@@ -61,7 +61,9 @@ def messages(rank: int, world: int) -> Any:
     got["error"] = _summary(error.wait(30))
     transport.send(0, 5, Message(1, 1, ()))
     transport.flush(30)
-    sent = [[None if t is None else (t.detach().clone(), t.requires_grad) for t in p] for p in payloads]
+    sent = [
+        [None if t is None else (t.detach().clone(), t.requires_grad) for t in p] for p in payloads
+    ]
     return {"names": names, "got": got, "sent": sent}
 
 

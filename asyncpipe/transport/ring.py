@@ -22,12 +22,12 @@ nobody waits on is an atomic increment, with no system call.
 
 from __future__ import annotations
 
+import _multiprocessing  # type: ignore[import-not-found]  # no stubs; CPython's own
+import contextlib
 import ctypes
 import mmap
 import os
 from typing import Any
-
-import _multiprocessing
 
 __all__: list[str] = []
 
@@ -80,7 +80,7 @@ class Ring:
 
     def room(self) -> int:
         """Bytes the writer may write now."""
-        return self.capacity - (self.written - self._counters[1])
+        return self.capacity - (self.written - int(self._counters[1]))
 
     def available(self) -> int:
         """Bytes the reader may read now."""
@@ -157,18 +157,14 @@ class Doorbell:
 
 def unlink_segment(name: str) -> None:
     """Remove a ring's name (done already by another rank: nothing to do)."""
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(segment_path(name))
-    except FileNotFoundError:
-        pass
 
 
 def unlink_doorbell(name: str) -> None:
     """Remove a doorbell's name (done already by another rank: nothing to do)."""
-    try:
+    with contextlib.suppress(FileNotFoundError):
         _multiprocessing.sem_unlink(name)
-    except FileNotFoundError:
-        pass
 
 
 def alive(pid: int) -> bool:

@@ -37,8 +37,17 @@ from torch import Tensor
 
 from ..group import GroupRef
 from .base import Message, PendingRecv, Transport, TransportTimeout
-from .frame import ERROR, HEADER_SIZE, decode_header, encode, error_header, error_text, layout
-from .frame import read_fields, views
+from .frame import (
+    ERROR,
+    HEADER_SIZE,
+    decode_header,
+    encode,
+    error_header,
+    error_text,
+    layout,
+    read_fields,
+    views,
+)
 from .ring import Doorbell, Ring, alive, unlink_doorbell, unlink_segment
 
 __all__: list[str] = []
@@ -222,9 +231,7 @@ class ShmTransport(Transport):
             self._out[dst] = Ring(ring(self.rank, dst), self.ring_bytes, create=False)
             self._bells[dst] = Doorbell(f"/asyncpipe-{token}-{dst}", create=False)
 
-    def _check(
-        self, group: dist.ProcessGroup | None, what: str, job: Callable[[], None]
-    ) -> None:
+    def _check(self, group: dist.ProcessGroup | None, what: str, job: Callable[[], None]) -> None:
         """Run ``job`` on every rank; if it failed anywhere, raise the same error everywhere."""
         try:
             job()
@@ -419,8 +426,7 @@ class ShmTransport(Transport):
         pid = self._pids[peer]
         if not alive(pid):
             raise ConnectionError(
-                f"rank {self.rank} lost rank {peer} (process {pid} exited) while waiting for "
-                f"{what}"
+                f"rank {self.rank} lost rank {peer} (process {pid} exited) while waiting for {what}"
             )
 
     # -- completion --------------------------------------------------------------------------
