@@ -1,14 +1,15 @@
-"""Transport benchmark: activation bandwidth of p2p and rpc against raw send/recv, and the step
-time of the reference workload over each transport.
+"""Transport benchmark: activation bandwidth of p2p, shm and rpc against raw send/recv, and the
+step time of the reference workload over each transport.
 
 Run ``python -m benchmarks.transports``; it launches its own worker processes (loopback, gloo,
 TensorPipe) and prints a table; ``--markdown docs/transports.md`` also writes it into that page.
 
 Bandwidth: rank 0 sends ``--messages`` tensors of one shape to rank 1, one direction, with no
 compute in between; rank 1 times from telling rank 0 to start to its last message. ``raw`` is
-``torch.distributed.isend``/``irecv`` of the bare tensor (the limit on this machine), ``p2p`` and
-``rpc`` are asyncpipe's transports carrying the same tensor in a message, receives posted ahead
-as the runtime posts them. Each method runs ``--trials`` bursts, the methods taking turns; the
+``torch.distributed.isend``/``irecv`` of the bare tensor (the limit of torch.distributed on this
+machine), ``p2p``, ``shm`` (shared memory, when the group is gloo) and ``rpc`` are asyncpipe's
+transports carrying the same tensor in a message, receives posted ahead as the runtime posts
+them. Each method runs ``--trials`` bursts, the methods taking turns; the
 table gives the best burst of each (the least disturbed by the machine) and the ratios of the
 medians beside. Round trip: ranks 0 and 1 send a small tensor back and forth ``--trips`` times
 per trial, each message sent when the previous one came back (one hop's latency); raw is the
@@ -56,13 +57,14 @@ def _bandwidth(
     device: torch.device,
 ) -> float | None:
     """Seconds rank 1 took to receive ``messages`` tensors of ``shape`` (None on rank 0)."""
-    from asyncpipe.transport import Message, P2PTransport, RPCTransport
+    from asyncpipe.transport import Message, P2PTransport, RPCTransport, ShmTransport
 
     rank = dist.get_rank()
     tensor = torch.randn(*shape, device=device)
     if method not in transports:  # one per method and shape, kept from warm-up to the run
         makers = {
             "p2p": lambda: P2PTransport(device=device),
+            "shm": lambda: ShmTransport(device=device),
             "rpc": RPCTransport,
             "raw": lambda: None,
         }
@@ -246,7 +248,8 @@ def worker(args: argparse.Namespace) -> int:
     ):
         count = args.messages if label == "small" else max(args.messages // 10, 20)
         transports: dict[str, Any] = {}
-        methods = ("raw", "p2p", "rpc")
+        shm = ("shm",) if dist.get_backend() == "gloo" else ()
+        methods = ("raw", "p2p", *shm, "rpc")
         for method in methods:
             _bandwidth(method, shape, 2 * SLOTS, transports, device)  # warm up
         # (the warm-up let the slots learn their sizes)
@@ -276,8 +279,9 @@ def worker(args: argparse.Namespace) -> int:
                     "median_bytes_per_s": size * count / statistics.median(seconds),
                 }
     if dist.get_world_size() >= 2 and not args.bandwidth_only:
+        shm = ("shm",) if dist.get_backend() == "gloo" else ()
         for schedule in ("gpipe", "1f1b", "zero_bubble"):
-            for transport in ("p2p", "rpc"):
+            for transport in ("p2p", *shm, "rpc"):
                 record["steps"][f"asyncpipe {schedule} over {transport}"] = _step_time(
                     transport, args.f_ms, args.chunks, args.steps, schedule
                 )
@@ -292,35 +296,54 @@ def worker(args: argparse.Namespace) -> int:
 # ----- driver side -----------------------------------------------------------------------------
 
 
+TRANSPORTS = ("p2p", "shm", "rpc")
+"""asyncpipe's transports in the tables' order (shm where the group is gloo)."""
+
+
+def _ours(record: dict[str, Any], prefix: str = "") -> list[str]:
+    """The transports ``record`` has entries for, in table order."""
+    return [m for m in TRANSPORTS if f"{prefix}{m}" in record]
+
+
 def bandwidth_table(bandwidth: dict[str, dict[str, float]], micro_batch: int) -> str:
     """The markdown table of a bandwidth record (rank 1's ``record["bandwidth"]``)."""
+    ours = _ours(bandwidth, "small-")
     lines = [
-        "| shape | bytes | raw send/recv | p2p | rpc | p2p / raw | rpc / raw | medians: p2p, rpc "
-        "/ raw |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| shape | bytes | raw send/recv | "
+        + " | ".join(ours)
+        + " | "
+        + " | ".join(f"{m} / raw" for m in ours)
+        + f" | medians: {', '.join(ours)} / raw |",
+        "|---|---:|---:|" + "---:|" * (2 * len(ours) + 1),
     ]
+
+    def rate(entry: dict[str, float]) -> str:
+        return f"{entry['bytes_per_s'] / 2**20:.0f} MiB/s"
+
+    def median(entry: dict[str, float]) -> float:
+        return entry.get("median_bytes_per_s", entry["bytes_per_s"])
+
     for label in ("small", "large"):
         shape = (micro_batch, *SHAPES[label])
-        raw, p2p, rpc = (bandwidth[f"{label}-{m}"] for m in ("raw", "p2p", "rpc"))
-
-        def rate(entry: dict[str, float]) -> str:
-            return f"{entry['bytes_per_s'] / 2**20:.0f} MiB/s"
-
-        def median(entry: dict[str, float]) -> float:
-            return entry.get("median_bytes_per_s", entry["bytes_per_s"])
-
+        raw = bandwidth[f"{label}-raw"]
+        entries = [bandwidth[f"{label}-{m}"] for m in ours]
+        best = [f"{e['bytes_per_s'] / raw['bytes_per_s']:.2f}" for e in entries]
+        medians = " / ".join(f"{median(e) / median(raw):.2f}" for e in entries)
         lines.append(
-            f"| {shape} | {raw['bytes']} | {rate(raw)} | {rate(p2p)} | {rate(rpc)} | "
-            f"{p2p['bytes_per_s'] / raw['bytes_per_s']:.2f} | "
-            f"{rpc['bytes_per_s'] / raw['bytes_per_s']:.2f} | "
-            f"{median(p2p) / median(raw):.2f} / {median(rpc) / median(raw):.2f} |"
+            f"| {shape} | {raw['bytes']} | {rate(raw)} | "
+            + " | ".join(rate(e) for e in entries)
+            + " | "
+            + " | ".join(best)
+            + f" | {medians} |"
         )
     return "\n".join(lines)
 
 
 def round_trip_table(trips: dict[str, dict[str, float]], micro_batch: int) -> str:
     """The markdown table of rank 0's ``record["round_trip"]``: one hop's latency."""
-    raw, p2p, rpc = (trips[m] for m in ("raw", "p2p", "rpc"))
+    ours = _ours(trips)
+    raw = trips["raw"]
+    entries = [trips[m] for m in ours]
     shape = (micro_batch, *SHAPES["small"])
 
     def us(entry: dict[str, float]) -> str:
@@ -328,12 +351,19 @@ def round_trip_table(trips: dict[str, dict[str, float]], micro_batch: int) -> st
 
     return "\n".join(
         [
-            "| round trip of | raw send/recv | p2p | rpc | p2p / raw | rpc / raw | medians: "
-            "p2p, rpc / raw |",
-            "|---|---:|---:|---:|---:|---:|---:|",
-            f"| {shape} | {us(raw)} | {us(p2p)} | {us(rpc)} | "
-            f"{p2p['best_s'] / raw['best_s']:.2f} | {rpc['best_s'] / raw['best_s']:.2f} | "
-            f"{p2p['median_s'] / raw['median_s']:.2f} / {rpc['median_s'] / raw['median_s']:.2f} |",
+            "| round trip of | raw send/recv | "
+            + " | ".join(ours)
+            + " | "
+            + " | ".join(f"{m} / raw" for m in ours)
+            + f" | medians: {', '.join(ours)} / raw |",
+            "|---|---:|" + "---:|" * (2 * len(ours) + 1),
+            f"| {shape} | {us(raw)} | "
+            + " | ".join(us(e) for e in entries)
+            + " | "
+            + " | ".join(f"{e['best_s'] / raw['best_s']:.2f}" for e in entries)
+            + " | "
+            + " / ".join(f"{e['median_s'] / raw['median_s']:.2f}" for e in entries)
+            + " |",
         ]
     )
 

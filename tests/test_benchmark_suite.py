@@ -130,7 +130,15 @@ def test_round_trip_table_gives_microseconds_and_ratios_to_raw() -> None:
         "raw": {"best_s": 200e-6, "median_s": 250e-6},
         "p2p": {"best_s": 300e-6, "median_s": 400e-6},
         "rpc": {"best_s": 1e-3, "median_s": 2e-3},
+        "shm": {"best_s": 50e-6, "median_s": 100e-6},
     }
+    head, _, row = round_trip_table(trips, micro_batch=8).splitlines()
+    assert head.startswith("| round trip of | raw send/recv | p2p | shm | rpc | p2p / raw |")
+    assert row == (
+        "| (8, 1024) | 200 us | 300 us | 50 us | 1000 us | 1.50 | 0.25 | 5.00 | "
+        "1.60 / 0.40 / 8.00 |"
+    )
+    del trips["shm"]  # a record without shm (a CUDA run over NCCL): no column for it
     row = round_trip_table(trips, micro_batch=8).splitlines()[2]
     assert row == "| (8, 1024) | 200 us | 300 us | 1000 us | 1.50 | 5.00 | 1.60 / 8.00 |"
 
@@ -156,3 +164,21 @@ def test_suite_runs_end_to_end_and_writes_its_section(tmp_path: Path) -> None:
     text = page.read_text()
     assert "<!-- begin: suite device=cpu" in text and "Activation bandwidth" in text
     assert "tokens/s" in text and "one process" in text
+
+
+def test_bandwidth_table_has_a_column_and_a_ratio_per_transport() -> None:
+    from benchmarks.transports import bandwidth_table
+
+    entry = {"bytes": 32768, "bytes_per_s": 2**20 * 100.0, "median_bytes_per_s": 2**20 * 80.0}
+    record = {}
+    for label in ("small", "large"):
+        record[f"{label}-raw"] = entry
+        record[f"{label}-p2p"] = {**entry, "bytes_per_s": 2**20 * 50.0}
+        record[f"{label}-shm"] = {**entry, "bytes_per_s": 2**20 * 400.0}
+        record[f"{label}-rpc"] = {**entry, "bytes_per_s": 2**20 * 25.0}
+    head, _, small, _ = bandwidth_table(record, micro_batch=8).splitlines()
+    assert "| raw send/recv | p2p | shm | rpc | p2p / raw | shm / raw | rpc / raw |" in head
+    assert small == (
+        "| (8, 1024) | 32768 | 100 MiB/s | 50 MiB/s | 400 MiB/s | 25 MiB/s | 0.50 | 4.00 | "
+        "0.25 | 1.00 / 1.00 / 1.00 |"
+    )
