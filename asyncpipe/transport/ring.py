@@ -91,14 +91,23 @@ class Ring:
         size = min(size, self.room())
         if size <= 0:
             return 0
+        self.put(address, size)
+        self.publish()
+        return size
+
+    def put(self, address: int, size: int) -> None:
+        """Copy ``size`` bytes in, which the caller knows fit (:meth:`room`), without showing
+        them to the reader yet (:meth:`publish`)."""
         at = self.written % self.capacity
         first = min(size, self.capacity - at)
         ctypes.memmove(self.data + at, address, first)
         if size > first:
             ctypes.memmove(self.data, address + first, size - first)
         self.written += size
+
+    def publish(self) -> None:
+        """Show the reader everything put in so far."""
         self._counters[0] = self.written
-        return size
 
     def take(self, address: int, size: int) -> int:
         """Copy up to ``size`` bytes out to ``address``; returns how many there were."""

@@ -29,7 +29,7 @@ import struct
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -60,6 +60,39 @@ writer's flag was read may be missed; the next look finds what it announced)."""
 _LIVENESS = 1.0
 """Seconds between checks that the peer a wait depends on still runs."""
 _PAD = ctypes.create_string_buffer(64)
+_PAD_ADDRESS = ctypes.addressof(_PAD)
+_KEPT = 64
+"""Receive buffers of one size watched for reuse (see :meth:`ShmTransport._buffer`)."""
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _in_place(tensor: Tensor) -> bool:
+    """Whether the bytes of ``tensor`` can be copied into a ring as they lie."""
+    return tensor.is_cpu and tensor.is_contiguous() and not tensor.is_conj()
+
+
+class _Frame:
+    """The layout of a kind of message: ``head`` is its bytes up to the first tensor (prefix,
+    header with micro-batch fields to fill in, padding), ``pads[i]`` the padding after tensor
+    ``i``, ``size`` all of its bytes in the ring."""
+
+    __slots__ = ("head", "pads", "size")
+
+    def __init__(self, head: bytes, pads: list[int], size: int) -> None:
+        self.head, self.pads, self.size = head, pads, size
+
+    @classmethod
+    def of(cls, channel: int, message: Message) -> _Frame:
+        fields, offsets = encode(message, message.tensors)
+        total = fields[5]
+        start = offsets[0] if offsets else total
+        header = array.array("q", fields).tobytes()
+        head = _PREFIX.pack(total, channel) + header + bytes(start - len(header))
+        pads = []
+        for n, (tensor, offset) in enumerate(zip(message.tensors, offsets)):
+            end = offset + (0 if tensor is None else tensor.nbytes)
+            pads.append((offsets[n + 1] if n + 1 < len(offsets) else total) - end)
+        return cls(head, pads, _PREFIX.size + total)
 
 
 class _Piece:
@@ -158,9 +191,11 @@ class ShmTransport(Transport):
         self._arrived: dict[tuple[int, int], dict[int, Message]] = {}
         self._received: dict[tuple[int, int], int] = {}
         self._posted: dict[tuple[int, int], int] = {}
-        self._layouts: dict[tuple[object, ...], tuple[list[int], list[int]]] = {}
+        self._frames: dict[tuple[object, ...], _Frame] = {}
+        self._scratch = (ctypes.c_int64 * (HEADER_SIZE + 16))()  # a frame's head, filled in
         self._decoded: dict[bytes, tuple[list[tuple[int, bool, list[int]]], list[int]]] = {}
         self._prefix = (ctypes.c_int64 * 2)()
+        self._buffers: dict[int, deque[Tensor]] = {}
         self._pids = self._connect(group, peers)
 
     # -- set-up ------------------------------------------------------------------------------
@@ -256,22 +291,21 @@ class ShmTransport(Transport):
 
     # -- sending -----------------------------------------------------------------------------
 
-    def _layout(
-        self, message: Message, payload: Sequence[Tensor | None]
-    ) -> tuple[list[int], list[int]]:
-        kinds = tuple(
-            None if t is None else (t.dtype, t.requires_grad, tuple(t.shape)) for t in payload
+    def _frame(self, channel: int, message: Message) -> _Frame:
+        """How a message of this channel and these kinds of tensors is laid out, made once
+        (a pipeline sends the same shapes at every micro-batch)."""
+        kinds = (channel,) + tuple(
+            None if t is None else (t.dtype, t.requires_grad, tuple(t.shape))
+            for t in message.tensors
         )
-        known = self._layouts.get(kinds)
-        if known is None:
-            known = self._layouts[kinds] = encode(message, payload)
-        fields = list(known[0])
-        fields[3], fields[4] = message.microbatch, message.microbatches
-        return fields, known[1]
+        frame = self._frames.get(kinds)
+        if frame is None:
+            frame = self._frames[kinds] = _Frame.of(channel, message)
+        return frame
 
     def send(self, dst: int, channel: int, message: Message) -> None:
         key = (channel, message.microbatch)
-        queue = self._spill[dst]
+        queue, ring = self._spill[dst], self._out[dst]
         if message.error is not None:  # the text rides in the header
             header = error_header(message).view(torch.uint8)
             prefix = ctypes.create_string_buffer(_PREFIX.pack(header.numel(), channel), 16)
@@ -279,26 +313,38 @@ class ShmTransport(Transport):
             queue.append(_Piece(header, header.data_ptr(), header.numel(), key))
             self._push(dst)
             return
-        payload = list(message.tensors)
-        fields, offsets = self._layout(message, payload)
-        total = fields[5]
-        raw = _PREFIX.pack(total, channel) + array.array("q", fields).tobytes()
-        head = ctypes.create_string_buffer(raw, 16 + (offsets[0] if offsets else total))
-        queue.append(_Piece(head, ctypes.addressof(head), len(head), key))
-        at = offsets[0] if offsets else total
-        for tensor, offset in zip(payload, offsets):
-            if tensor is None:
-                continue
-            if offset > at:
-                queue.append(_Piece(_PAD, ctypes.addressof(_PAD), offset - at, key))
-            data = tensor.detach()
-            if data.device.type != "cpu" or not data.is_contiguous() or data.is_conj():
-                data = data.resolve_conj().contiguous().cpu()
-            if data.nbytes:
-                queue.append(_Piece(data, data.data_ptr(), data.nbytes, key))
-            at = offset + data.nbytes
-        if total > at:
-            queue.append(_Piece(_PAD, ctypes.addressof(_PAD), total - at, key))
+        frame = self._frame(channel, message)
+        payload = message.tensors
+        if (
+            not queue
+            and ring.room() >= frame.size
+            and all(t is None or _in_place(t) for t in payload)
+        ):  # all of it fits now: straight into the ring, seen by the reader at once
+            scratch = self._scratch
+            ctypes.memmove(scratch, frame.head, len(frame.head))
+            scratch[5], scratch[6] = message.microbatch, message.microbatches
+            ring.put(ctypes.addressof(scratch), len(frame.head))
+            for tensor, pad in zip(payload, frame.pads):
+                if tensor is not None and tensor.nbytes:
+                    ring.put(tensor.data_ptr(), tensor.nbytes)
+                if pad:
+                    ring.put(_PAD_ADDRESS, pad)
+            ring.publish()
+            self._bells[dst].ring()
+            return
+        head = bytearray(frame.head)
+        _MICROBATCHES.pack_into(head, 40, message.microbatch, message.microbatches)
+        keep = (ctypes.c_char * len(head)).from_buffer(head)
+        queue.append(_Piece(keep, ctypes.addressof(keep), len(head), key))
+        for tensor, pad in zip(payload, frame.pads):
+            if tensor is not None:
+                data = tensor.detach()
+                if not _in_place(data):
+                    data = data.resolve_conj().contiguous().cpu()
+                if data.nbytes:
+                    queue.append(_Piece(data, data.data_ptr(), data.nbytes, key))
+            if pad:
+                queue.append(_Piece(_PAD, _PAD_ADDRESS, pad, key))
         self._push(dst)
 
     def _push(self, dst: int) -> bool:
@@ -341,7 +387,7 @@ class ShmTransport(Transport):
                     break
                 ring.take(ctypes.addressof(self._prefix), _PREFIX.size)
                 total, channel = self._prefix[0], self._prefix[1]
-                part = (torch.empty(total, dtype=torch.uint8), 0, channel)
+                part = (self._buffer(total), 0, channel)
                 moved = True
             buffer, filled, channel = part
             got = ring.take(buffer.data_ptr() + filled, buffer.numel() - filled)
@@ -356,6 +402,26 @@ class ShmTransport(Transport):
         if moved and ring.waiting:
             self._bells[src].ring()
         return moved
+
+    def _buffer(self, size: int) -> Tensor:
+        """A buffer of ``size`` bytes for a message: one that an earlier message of that size
+        had, if nothing uses it any more, else a new one. The pages of a new buffer are touched
+        for the first time by the copy out of the ring, which costs more than the copy."""
+        kept = self._buffers.get(size)
+        if kept is None:
+            kept = self._buffers[size] = deque()
+        if _use_count is not None:
+            for _ in range(min(len(kept), 4)):  # oldest first: the likeliest to be free
+                buffer = kept[0]
+                kept.rotate(-1)
+                # two references: ``buffer`` and the storage object asked about
+                if _use_count(buffer.untyped_storage()._cdata) == 2:
+                    return buffer
+        buffer = torch.empty(size, dtype=torch.uint8)
+        kept.append(buffer)
+        if len(kept) > _KEPT:
+            kept.popleft()
+        return buffer
 
     def _decode(self, buffer: Tensor) -> Message:
         base = buffer.data_ptr()
