@@ -136,3 +136,19 @@ def test_single_rank_pipeline_matches_plain_model() -> None:
     assert loss == pytest.approx(float(nn.functional.mse_loss(plain(x), y).detach()), rel=1e-6)
     for got, want in zip(model.parameters(), plain.parameters()):
         torch.testing.assert_close(got.grad, want.grad)
+
+
+def test_a_transport_name_that_does_not_exist_lists_the_ones_that_do() -> None:
+    with pytest.raises(ValueError, match="transport must be 'p2p', 'shm', 'rpc' or a Transport"):
+        AsyncPipe(mlp(4), [2, 2], transport="tcp")
+
+
+def test_the_shm_transport_lists_its_problems_before_touching_shared_memory() -> None:
+    from asyncpipe.transport import ShmTransport
+
+    with pytest.raises(ValueError) as info:
+        ShmTransport(ring_bytes=5, spin=2)
+    text = str(info.value)
+    assert "call asyncpipe.init() first" in text
+    assert "ring_bytes must be an integer of at least 65536 (got 5)" in text
+    assert "spin must be a number of seconds in [0, 1) (got 2)" in text
