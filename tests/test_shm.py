@@ -56,6 +56,15 @@ def test_a_peer_that_dies_is_named_without_waiting_for_the_timeout() -> None:
     assert seconds < 10
 
 
+def test_a_peer_whose_process_this_rank_cannot_see_is_left_to_the_timeout() -> None:
+    # a peer in another PID namespace: its process id may name nothing here, or another
+    # process; the transport must not call it dead (nor alive) on that id's word
+    results = run_ranks_raw(peer_dies, 2, True, timeout=60, may_die=True)
+    assert results[1][0] == "died"
+    text, seconds = results[0][1]
+    assert "timed out after 4.0 s waiting for a message from rank 1" in text, text
+
+
 @pytest.mark.parametrize(
     "case,words",
     [

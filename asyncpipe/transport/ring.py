@@ -176,6 +176,16 @@ def unlink_doorbell(name: str) -> None:
         _multiprocessing.sem_unlink(name)
 
 
+def started(pid: int) -> int | None:
+    """When process ``pid`` of this host started (clock ticks since boot), or None where this
+    process cannot see it (gone, or in another PID namespace)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def alive(pid: int) -> bool:
     """Whether process ``pid`` of this host still runs (a zombie does not)."""
     try:

@@ -48,7 +48,7 @@ from .frame import (
     read_fields,
     views,
 )
-from .ring import Doorbell, Ring, alive, unlink_doorbell, unlink_segment
+from .ring import Doorbell, Ring, alive, started, unlink_doorbell, unlink_segment
 
 __all__: list[str] = []
 
@@ -207,13 +207,14 @@ class ShmTransport(Transport):
 
     def _connect(self, group: dist.ProcessGroup | None, peers: list[int]) -> list[int]:
         """Agree on a token, create this rank's incoming rings and doorbell, open the peers',
-        then unlink the names. Returns the peers' process ids, by pipeline rank."""
+        then unlink the names. Returns the peers' process ids, by pipeline rank (0 for a
+        peer this process cannot watch)."""
         try:
             with open("/proc/sys/kernel/random/boot_id") as f:
                 boot = f.read().strip()
         except OSError:
             boot = ""
-        me = (secrets.token_hex(6), socket.gethostname(), boot, os.getpid())
+        me = (secrets.token_hex(6), socket.gethostname(), boot, os.getpid(), started(os.getpid()))
         infos = self._gather(group, me)
         hosts = [(str(i[1]), str(i[2])) for i in infos]  # type: ignore[index]
         if len(set(hosts)) > 1:
@@ -224,7 +225,12 @@ class ShmTransport(Transport):
                 f"hosts"
             )
         token = str(infos[0][0])  # type: ignore[index]
-        pids = [int(i[3]) for i in infos]  # type: ignore[index]
+        # a peer is watched only where its process id names that very process here (the
+        # same start time): in another PID namespace the id means nothing, or another process
+        pids = [
+            int(i[3]) if i[4] is not None and started(int(i[3])) == i[4] else 0  # type: ignore[index]
+            for i in infos
+        ]
 
         def ring(src: int, dst: int) -> str:
             return f"asyncpipe-{token}-{src}-{dst}"
@@ -490,7 +496,7 @@ class ShmTransport(Transport):
 
     def _alive(self, peer: int, what: str) -> None:
         pid = self._pids[peer]
-        if not alive(pid):
+        if pid and not alive(pid):
             raise ConnectionError(
                 f"rank {self.rank} lost rank {peer} (process {pid} exited) while waiting for {what}"
             )
