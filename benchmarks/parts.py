@@ -92,8 +92,8 @@ PARTS: tuple[Part, ...] = (
         "benchmarks.schedules",
         "schedule_benchmarks.md",
         ("schedules",),
-        "every schedule against its simulated ideal and torch's, memory",
-        5.0,
+        "every schedule over p2p and shm against its simulated ideal and torch's, memory",
+        7.0,
         runs=_args("--timelines {docs}/_static"),
         quick=_args(
             "--chunks 2 --steps 1 --warmup 0 --f-ms 1 --rounds 1 --peers none "
@@ -105,7 +105,7 @@ PARTS: tuple[Part, ...] = (
         "benchmarks.transports",
         "transports.md",
         ("transports",),
-        "bandwidth and round trip of p2p and rpc, step time over each against fairscale",
+        "bandwidth and round trip of p2p, shm and rpc, step time over each against fairscale",
         3.0,
         quick=_args("--processes 2 --messages 20 --trips 20 --bandwidth-only"),
     ),

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .calibration import LayerCosts
-from .schedule_worker import ASYNCPIPE
+from .schedule_worker import OURS
 
 if TYPE_CHECKING:
     from asyncpipe.schedule import Simulation
@@ -54,7 +54,7 @@ def simulate_schedule(
     """
     from asyncpipe.schedule import Costs, build, simulate
 
-    name = ASYNCPIPE[system]
+    name = OURS[system]
     v = virtual if name == "interleaved" else 1
     per = layers // (ranks * v)
     plan = build(name, ranks, chunks, v)
@@ -260,7 +260,7 @@ def simulate_rows(rows: list[Row], args: argparse.Namespace, costs: LayerCosts) 
     """
     for row in rows:
         try:
-            if row.system in ASYNCPIPE or row.system in ("torch-gpipe", "torch-1f1b"):
+            if row.system in OURS or row.system in ("torch-gpipe", "torch-1f1b"):
                 system = MATCH.get(row.system, row.system)
                 sim = simulate_schedule(
                     system, args.ranks, row.chunks, args.layers, args.virtual_stages, costs
@@ -270,14 +270,14 @@ def simulate_rows(rows: list[Row], args: argparse.Namespace, costs: LayerCosts) 
             else:
                 continue
         except Exception as exc:  # a generator that is not there yet, a plan we cannot read
-            if row.system in ASYNCPIPE:
+            if row.system in OURS:
                 row.error = f"no plan: {type(exc).__name__}: {exc}"
             else:
                 print(f"  cannot simulate {row.system}: {type(exc).__name__}: {exc}")
             continue
         row.simulated_s = sim.makespan
         row.simulated_bubble = statistics.fmean(sim.bubble.values())
-        if row.system in ASYNCPIPE:
+        if row.system in OURS:
             row.simulated_peak = [sim.peak_activations[r] for r in sorted(sim.busy)]
 
 

@@ -22,7 +22,16 @@ from .peers import FAIRSCALE, fairscale_asyncpipe_step, fairscale_pipe_step
 from .worker import StepFn, _breakdown, _loss, write_record
 from .workload import BUSY, RSS, build_model, make_batch
 
-__all__ = ["ASYNCPIPE", "PEERS", "SYSTEMS", "main", "stage_layers"]
+__all__ = [
+    "ASYNCPIPE",
+    "OURS",
+    "OVER_SHM",
+    "PEERS",
+    "SYSTEMS",
+    "base_system",
+    "main",
+    "stage_layers",
+]
 
 ASYNCPIPE = {
     "asyncpipe-gpipe": "gpipe",
@@ -31,6 +40,19 @@ ASYNCPIPE = {
     "asyncpipe-zero_bubble": "zero_bubble",
 }
 """asyncpipe's systems: ``AsyncPipe(schedule=...)`` by schedule name."""
+
+OVER_SHM = "@shm"
+"""The suffix of an asyncpipe system run over ``transport="shm"`` instead of the group's
+transport (``asyncpipe-1f1b@shm``): rows beside the others, in the same group of workers."""
+
+OURS = {**ASYNCPIPE, **{f"{k}{OVER_SHM}": v for k, v in ASYNCPIPE.items()}}
+"""Every asyncpipe system, over the group's transport and over shm, by schedule name."""
+
+
+def base_system(system: str) -> str:
+    """``system`` without its transport suffix."""
+    return system.removesuffix(OVER_SHM)
+
 
 PEERS = {
     "torch-gpipe": "ScheduleGPipe",
@@ -41,7 +63,7 @@ PEERS = {
 }
 """torch.distributed.pipelining's schedules (class names in ``...pipelining.schedules``)."""
 
-SYSTEMS = (*ASYNCPIPE, *PEERS, *FAIRSCALE)
+SYSTEMS = (*OURS, *PEERS, *FAIRSCALE)
 
 MULTI_STAGE = {"asyncpipe-interleaved", "torch-interleaved", "torch-zbv"}
 """Systems that hold ``virtual_stages`` model chunks per rank; the others hold one."""
@@ -63,7 +85,7 @@ def stage_layers(system: str, ranks: int, layers: int, virtual: int, rank: int) 
 def _stage_count(system: str, ranks: int, virtual: int) -> int:
     if system == "torch-zbv":
         return 2 * ranks
-    return ranks * virtual if system in MULTI_STAGE else ranks
+    return ranks * virtual if base_system(system) in MULTI_STAGE else ranks
 
 
 def _stage_module(model: nn.Sequential, stages: int, stage: int) -> nn.Sequential:
@@ -91,10 +113,10 @@ def _asyncpipe_step(
         balance=[len(model) // stages] * stages,
         chunks=chunks,
         checkpoint="never",
-        schedule=ASYNCPIPE[system],
+        schedule=OURS[system],
         virtual_stages=stages // ranks,
         timeout=timeout_s,
-        transport=transport,
+        transport="shm" if system.endswith(OVER_SHM) else transport,
         device=where.device,
     )
 
@@ -192,7 +214,7 @@ def _build_step(
 ) -> StepFn:
     """The step of one entry: asyncpipe, a torch.distributed.pipelining peer, or fairscale."""
     ranks = dist.get_world_size()
-    if system in ASYNCPIPE:
+    if system in OURS:
         return _asyncpipe_step(
             system, model, ranks, args.virtual, chunks, x, y, args.pg_timeout, args.transport, where
         )

@@ -26,7 +26,7 @@ from .schedule_results import (
     simulate_rows,
     simulate_schedule,
 )
-from .schedule_worker import ASYNCPIPE, PEERS, SYSTEMS
+from .schedule_worker import ASYNCPIPE, OVER_SHM, PEERS, SYSTEMS
 from .sections import load, machine, revision, write_section
 from .workload import FEATURES
 
@@ -245,6 +245,12 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         help="asyncpipe schedules to run",
     )
     parser.add_argument(
+        "--shm",
+        default=",".join(ASYNCPIPE.values()),
+        help="asyncpipe schedules to run over transport='shm' too, in rows of their own beside "
+        "the p2p ones ('none' for none; needs gloo)",
+    )
+    parser.add_argument(
         "--peers",
         default=",".join(MATCH),
         help=f"torch.distributed.pipelining peers ({','.join(PEERS)}; 'none' for none)",
@@ -284,14 +290,15 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     schedules = _split(args.schedules)
     peers = [] if args.peers == "none" else _split(args.peers)
     memory = [] if args.memory == "none" else _split(args.memory)
-    unknown = [s for s in schedules + memory if s not in names] + [
+    shm = [] if args.shm == "none" else _split(args.shm)
+    unknown = [s for s in schedules + memory + shm if s not in names] + [
         p for p in peers if p not in PEERS
     ]
     if unknown:
         parser.error(
             f"unknown {unknown}: schedules are {', '.join(names)}; peers {', '.join(PEERS)}"
         )
-    args.system_list = [names[s] for s in schedules] + peers
+    args.system_list = [names[s] for s in schedules] + [names[s] + OVER_SHM for s in shm] + peers
     args.memory_list = [names[s] for s in memory]
     if any(s not in SYSTEMS for s in args.system_list):
         parser.error("internal: unknown system")

@@ -182,3 +182,38 @@ def test_bandwidth_table_has_a_column_and_a_ratio_per_transport() -> None:
         "| (8, 1024) | 32768 | 100 MiB/s | 50 MiB/s | 400 MiB/s | 25 MiB/s | 0.50 | 4.00 | "
         "0.25 | 1.00 / 1.00 / 1.00 |"
     )
+
+
+def test_schedule_targets_are_judged_per_transport() -> None:
+    from benchmarks.schedule_report import table_cells, target_lines
+    from benchmarks.schedule_results import Row
+
+    def row(system: str, step: float, simulated: float = 1.0) -> Row:
+        return Row(system, 8, simulated_s=simulated, step_s=step)
+
+    rows = [
+        row("asyncpipe-gpipe", 1.05),
+        row("asyncpipe-1f1b", 1.08),
+        row("asyncpipe-interleaved", 1.00, simulated=0.85),  # 1.18x its ideal
+        row("asyncpipe-zero_bubble", 0.95),
+        row("asyncpipe-gpipe@shm", 1.02),
+        row("asyncpipe-1f1b@shm", 1.03),
+        row("asyncpipe-interleaved@shm", 0.90, simulated=0.85),
+        row("asyncpipe-zero_bubble@shm", 0.92),
+        row("torch-1f1b", 1.05),
+    ]
+    lines = target_lines(rows)
+    assert len(lines) == 6
+    assert lines[0].startswith("Target (every asyncpipe schedule <= 1.10x")
+    assert "NOT met" in lines[0] and "interleaved (V=2) chunks 8: 1.18x" in lines[0]
+    assert "met (interleaved (V=2) 0.93x of 1f1b" in lines[1]
+    assert lines[2].endswith("NOT met (slower: 1f1b chunks 8: 1.03x)")
+    assert lines[3].startswith("Target (every asyncpipe schedule over shm <= 1.10x")
+    assert ": met (worst 1.06x)" in lines[3]
+    assert "over shm): met (interleaved (V=2) over shm 0.87x of 1f1b over shm" in lines[4]
+    assert lines[5].endswith(
+        "over shm no slower than torch.distributed.pipelining's same schedule): met"
+    )
+    cells = table_cells(rows)
+    assert cells[5][2] == "1f1b over shm" and cells[5][1] == "asyncpipe"
+    assert cells[5][6] == "1.01x"  # against gpipe over shm, not over p2p
