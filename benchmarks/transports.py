@@ -48,6 +48,12 @@ __all__ = ["bandwidth_table", "main"]
 SLOTS = 8
 """Messages reuse SLOTS micro-batch slots, as a pipeline's steps do."""
 
+RECEIVER_WORK_S = 50e-6
+"""The work a receiver does per message in the ``raw+work`` stream of small tensors: a raw
+send/recv stream whose receiver spends this long (spinning) after each message, about what
+asyncpipe's receive does beside gloo's own calls. It shows how much of the raw rate is left
+once a receiver does anything at all per message."""
+
 
 def _bandwidth(
     method: str,
@@ -67,6 +73,7 @@ def _bandwidth(
             "shm": lambda: ShmTransport(device=device),
             "rpc": RPCTransport,
             "raw": lambda: None,
+            "raw+work": lambda: None,
         }
         transports[method] = makers[method]()
     transport = transports[method]
@@ -108,6 +115,10 @@ def _bandwidth(
             receive.wait()
         else:
             receive.wait(120)
+        if method == "raw+work":
+            until = time.perf_counter() + RECEIVER_WORK_S
+            while time.perf_counter() < until:
+                pass
         if n + SLOTS < messages:
             pending[n + SLOTS] = post(n + SLOTS)
     synchronize(device)
@@ -250,10 +261,11 @@ def worker(args: argparse.Namespace) -> int:
         transports: dict[str, Any] = {}
         shm = ("shm",) if dist.get_backend() == "gloo" else ()
         methods = ("raw", "p2p", *shm, "rpc")
-        for method in methods:
+        streams = methods + ("raw+work",) * (label == "small")
+        for method in streams:
             _bandwidth(method, shape, 2 * SLOTS, transports, device)  # warm up
         # (the warm-up let the slots learn their sizes)
-        trials = _in_turns(methods, args.trials, _bandwidth, shape, count, transports, device)
+        trials = _in_turns(streams, args.trials, _bandwidth, shape, count, transports, device)
         if label == "small":  # the latency of a hop, with the same transports
             for method in methods:
                 _round_trip(method, shape, 2 * SLOTS, transports, device)  # warm up
@@ -336,6 +348,16 @@ def bandwidth_table(bandwidth: dict[str, dict[str, float]], micro_batch: int) ->
             + " | ".join(best)
             + f" | {medians} |"
         )
+    worked = bandwidth.get("small-raw+work")
+    if worked is not None:
+        raw = bandwidth["small-raw"]
+        lines += [
+            "",
+            f"The same raw stream of {(micro_batch, *SHAPES['small'])} tensors with "
+            f"{RECEIVER_WORK_S * 1e6:.0f} us of work on the receiver after each message: "
+            f"{rate(worked)} ({worked['bytes_per_s'] / raw['bytes_per_s']:.2f} of raw; "
+            f"medians {median(worked) / median(raw):.2f}).",
+        ]
     return "\n".join(lines)
 
 

@@ -182,6 +182,10 @@ def test_bandwidth_table_has_a_column_and_a_ratio_per_transport() -> None:
         "| (8, 1024) | 32768 | 100 MiB/s | 50 MiB/s | 400 MiB/s | 25 MiB/s | 0.50 | 4.00 | "
         "0.25 | 1.00 / 1.00 / 1.00 |"
     )
+    record["small-raw+work"] = {**entry, "bytes_per_s": 2**20 * 40.0}
+    note = bandwidth_table(record, micro_batch=8).splitlines()[-1]
+    assert note.startswith("The same raw stream of (8, 1024) tensors with 50 us of work")
+    assert "40 MiB/s (0.40 of raw; medians 1.00)" in note
 
 
 def test_schedule_targets_are_judged_per_transport() -> None:
