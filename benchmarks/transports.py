@@ -317,17 +317,18 @@ def _ours(record: dict[str, Any], prefix: str = "") -> list[str]:
     return [m for m in TRANSPORTS if f"{prefix}{m}" in record]
 
 
+def _head(lead: list[str], ours: list[str]) -> list[str]:
+    """A table's header and alignment rows: ``lead`` columns, raw, each transport, each
+    transport's ratio to raw, and the ratios of the medians."""
+    names = [*lead, "raw send/recv", *ours, *(f"{m} / raw" for m in ours)]
+    names.append(f"medians: {', '.join(ours)} / raw")
+    return ["| " + " | ".join(names) + " |", "|---|" + "---:|" * (len(names) - 1)]
+
+
 def bandwidth_table(bandwidth: dict[str, dict[str, float]], micro_batch: int) -> str:
     """The markdown table of a bandwidth record (rank 1's ``record["bandwidth"]``)."""
     ours = _ours(bandwidth, "small-")
-    lines = [
-        "| shape | bytes | raw send/recv | "
-        + " | ".join(ours)
-        + " | "
-        + " | ".join(f"{m} / raw" for m in ours)
-        + f" | medians: {', '.join(ours)} / raw |",
-        "|---|---:|---:|" + "---:|" * (2 * len(ours) + 1),
-    ]
+    lines = _head(["shape", "bytes"], ours)
 
     def rate(entry: dict[str, float]) -> str:
         return f"{entry['bytes_per_s'] / 2**20:.0f} MiB/s"
@@ -373,12 +374,7 @@ def round_trip_table(trips: dict[str, dict[str, float]], micro_batch: int) -> st
 
     return "\n".join(
         [
-            "| round trip of | raw send/recv | "
-            + " | ".join(ours)
-            + " | "
-            + " | ".join(f"{m} / raw" for m in ours)
-            + f" | medians: {', '.join(ours)} / raw |",
-            "|---|---:|" + "---:|" * (2 * len(ours) + 1),
+            *_head(["round trip of"], ours),
             f"| {shape} | {us(raw)} | "
             + " | ".join(us(e) for e in entries)
             + " | "

@@ -112,6 +112,38 @@ def transparency(
     return out
 
 
+def every_schedule(
+    world: int,
+    chunks: list[int],
+    schedules: tuple[str, ...],
+    policies: tuple[str, ...],
+    interleaved: tuple[list[int], tuple[str, ...]],
+    transport: str = "p2p",
+) -> list[Any]:
+    """``transparency`` on ``world`` ranks, one layer per stage: ``schedules`` at ``chunks``
+    with ``policies``, then the interleaved schedule (two stages per rank) at the chunks and
+    with the policies of ``interleaved``. Every rank's results of both runs."""
+    from spawn import run_ranks
+
+    balance = [[1] * world]
+    results: list[Any] = run_ranks(
+        transparency, world, balance, chunks, schedules, policies, 16, transport, timeout=240
+    )
+    interleaved_chunks, interleaved_policies = interleaved
+    results += run_ranks(
+        transparency,
+        world,
+        [[1] * (2 * world)],
+        interleaved_chunks,
+        ("interleaved",),
+        interleaved_policies,
+        16,
+        transport,
+        timeout=240,
+    )
+    return results
+
+
 class Pair(nn.Module):
     """x -> (linear(x), integer row ids) and back: a tuple with a non-float tensor."""
 

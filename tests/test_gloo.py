@@ -9,6 +9,7 @@ from gloo_workers import (
     directions,
     dropout,
     early_tensors,
+    every_schedule,
     expected_headers,
     failure,
     features,
@@ -41,27 +42,12 @@ def test_four_processes_match_the_plain_model() -> None:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_schedule_matches_the_plain_model(world: int) -> None:
-    schedules = ("1f1b", "zero_bubble")
-    balances = [[1] * world]
-    results = run_ranks(
-        transparency,
+    results = every_schedule(
         world,
-        balances,
         [1, world, 2 * world],
-        schedules,
+        ("1f1b", "zero_bubble"),
         ("except_last",),
-        16,
-        timeout=240,
-    )
-    results += run_ranks(
-        transparency,
-        world,
-        [[1] * (2 * world)],
-        [world, 2 * world],
-        ("interleaved",),
-        ("always", "never"),
-        16,
-        timeout=240,
+        ([world, 2 * world], ("always", "never")),
     )
     for rank, checks in enumerate(results):
         assert checks, rank
@@ -73,27 +59,13 @@ def test_every_schedule_matches_the_plain_model(world: int) -> None:
 def test_the_nccl_code_path_of_the_p2p_transport_over_gloo(world: int) -> None:
     """Headers and tensors as separate messages, receives posted only when due, end-of-step
     news after the step's sends: the way the p2p transport runs over NCCL."""
-    results = run_ranks(
-        transparency,
+    results = every_schedule(
         world,
-        [[1] * world],
         [1, 2 * world],
         ("gpipe", "1f1b", "zero_bubble"),
         ("except_last",),
-        16,
+        ([world], ("never",)),
         "p2p-ordered",
-        timeout=240,
-    )
-    results += run_ranks(
-        transparency,
-        world,
-        [[1] * (2 * world)],
-        [world],
-        ("interleaved",),
-        ("never",),
-        16,
-        "p2p-ordered",
-        timeout=240,
     )
     check_errors(results)
 

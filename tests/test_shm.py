@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from gloo_workers import check_errors, failure, transparency
+from gloo_workers import check_errors, every_schedule, failure
 from shm_workers import messages, peer_dies, set_up_errors, spill, two_bw
 from spawn import run_ranks, run_ranks_raw
 
@@ -79,27 +79,13 @@ def test_a_transport_that_cannot_be_built_fails_on_every_rank(case: str, words: 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_schedule_matches_the_plain_model_over_shm(world: int) -> None:
-    results = run_ranks(
-        transparency,
+    results = every_schedule(
         world,
-        [[1] * world],
         [1, world, 2 * world],
         ("gpipe", "1f1b", "zero_bubble"),
         ("always", "except_last", "never") if world == 2 else ("except_last",),
-        16,
+        ([world, 2 * world], ("always", "never")),
         "shm",
-        timeout=240,
-    )
-    results += run_ranks(
-        transparency,
-        world,
-        [[1] * (2 * world)],
-        [world, 2 * world],
-        ("interleaved",),
-        ("always", "never"),
-        16,
-        "shm",
-        timeout=240,
     )
     check_errors(results)
 
