@@ -62,6 +62,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="pipeline schedule; 2bw never drains between steps and applies each update one "
         "step late",
     )
+    parser.add_argument(
+        "--transport",
+        choices=("p2p", "shm", "rpc"),
+        default="p2p",
+        help="how activations and gradients travel: p2p (gloo send/recv), shm (shared memory, "
+        "ranks of one host) or rpc (torch.distributed.rpc)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and batches")
     parser.add_argument(
         "--balance",
@@ -250,7 +257,7 @@ def main() -> None:
     )
     torch.set_num_threads(threads)
 
-    asyncpipe.init()
+    asyncpipe.init(rpc=args.transport == "rpc")
     rank, world = dist.get_rank(), dist.get_world_size()
 
     def say(*parts: object, flush: bool = False) -> None:
@@ -269,6 +276,7 @@ def main() -> None:
         chunks=args.chunks,
         checkpoint=args.checkpoint,
         schedule=args.schedule,
+        transport=args.transport,
         trace=args.trace or None,
         trace_every=args.trace_every,
     )

@@ -41,6 +41,17 @@ def test_train_lm_runs_under_torchrun(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="shm runs on Linux")
+def test_train_lm_over_shared_memory() -> None:
+    stdout = torchrun(
+        "train_lm.py", "--steps", "6", "--dim", "32", "--depth", "2", "--log-every", "3",
+        "--sample-chars", "10", "--trace", "", "--transport", "shm", "--schedule", "1f1b",
+    )  # fmt: skip
+    losses = [float(v) for v in re.findall(r"step +\d+/\d+ +loss (\d+\.\d+)", stdout)]
+    assert len(losses) >= 2 and losses[-1] < losses[0], stdout
+
+
+@pytest.mark.slow
 def test_train_resnet_with_skips_and_deferred_batch_norm() -> None:
     stdout = torchrun(
         "train_resnet.py", "--epochs", "2", "--train", "1536", "--test", "256", "--width", "8",
