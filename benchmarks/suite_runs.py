@@ -14,7 +14,7 @@ from .calibration import LayerCosts
 from .gpu import SHARED_GPU_PEERS
 from .launch import launch_workers
 from .peers import FAIRSCALE
-from .schedule_worker import ASYNCPIPE, PEERS
+from .schedule_worker import ASYNCPIPE, OVER_SHM, PEERS, base_system
 
 __all__ = [
     "LINKS",
@@ -45,7 +45,7 @@ class SuiteRow:
     chunks: int
     system: str
     transport: str
-    """``p2p`` or ``rpc`` for asyncpipe; how the peer talks otherwise."""
+    """``p2p``, ``shm`` or ``rpc`` for asyncpipe; how the peer talks otherwise."""
     step_s: float | None = None
     simulated_s: float | None = None
     memory: list[float] = field(default_factory=list)
@@ -98,10 +98,12 @@ LINKS = {**{p: "gloo" for p in TORCH_PEERS}, "fairscale-asyncpipe": "rpc", "fair
 
 
 def _suite_row(row: schedule_results.Row, stages: int, transport: str) -> SuiteRow:
+    if row.system.endswith(OVER_SHM):  # run beside the p2p rows, in the same group
+        transport = "shm"
     return SuiteRow(
         stages,
         row.chunks,
-        row.system,
+        base_system(row.system),
         LINKS.get(row.system, transport),
         row.step_s,
         row.simulated_s,
@@ -114,20 +116,22 @@ def _suite_row(row: schedule_results.Row, stages: int, transport: str) -> SuiteR
 def run_reference(
     args: argparse.Namespace, costs: LayerCosts, work: Path, shared_gpu: bool
 ) -> list[SuiteRow]:
-    """Every asyncpipe schedule over p2p and rpc, torch.distributed.pipelining's schedules and
-    fairscale's AsyncPipe and Pipe, for each stage count and chunk count.
+    """Every asyncpipe schedule over p2p, shm (CPU) and rpc, torch.distributed.pipelining's
+    schedules and fairscale's AsyncPipe and Pipe, for each stage count and chunk count.
 
-    Three groups per stage count: asyncpipe over p2p with torch's peers, asyncpipe over rpc with
-    fairscale's AsyncPipe (both need RPC), and fairscale's one-process Pipe alone. A peer that
-    fails is reported with its error; on a shared GPU the peers that cannot run are marked.
+    Three groups per stage count: asyncpipe over p2p and over shm with torch's peers, asyncpipe
+    over rpc with fairscale's AsyncPipe (both need RPC), and fairscale's one-process Pipe
+    alone. A peer that fails is reported with its error; on a shared GPU the peers that cannot
+    run are marked.
     """
     ours = list(ASYNCPIPE)
+    over_shm = [f"{s}{OVER_SHM}" for s in ours] if args.device == "cpu" else []
     torch_peers = [] if shared_gpu else list(TORCH_PEERS)
     fairscale_rpc = [] if shared_gpu else ["fairscale-asyncpipe"]
     out: list[SuiteRow] = []
     for stages in args.stage_list:
         groups = [
-            ("p2p", ours + torch_peers, stages),
+            ("p2p", ours + over_shm + torch_peers, stages),
             ("rpc", ours + fairscale_rpc, stages),
             ("p2p", ["fairscale-pipe"], 1),  # one process; the transport is unused
         ]
