@@ -31,7 +31,7 @@ from .skip.routes import find_routes
 from .stream import Stream, check_two_bw_options
 from .trace import TraceWriter
 from .trace.recorder import Recorder
-from .transport import P2PTransport, ShmTransport, Transport
+from .transport import GroupTransport, Transport
 from .work import LossFn, Work
 
 __all__: list[str] = []
@@ -236,7 +236,7 @@ class AsyncPipe(DelayedUpdates, ManualBackward, nn.Module):
         owners = [seg.stage for seg in segments]
         global_rank = (
             {r: transport.global_rank(r) for r in range(transport.world_size)}
-            if isinstance(transport, (P2PTransport, ShmTransport))
+            if isinstance(transport, GroupTransport)
             else None
         )
         self._shared = SharedWeights(

@@ -253,13 +253,13 @@ def worker(args: argparse.Namespace) -> int:
         "tensors": str(device),
     }
     micro = args.micro_batch
+    shm = ("shm",) if dist.get_backend() == "gloo" else ()  # needs a gloo group
     for label, shape in (
         ("small", (micro, *SHAPES["small"])),
         ("large", (micro, *SHAPES["large"])),
     ):
         count = args.messages if label == "small" else max(args.messages // 10, 20)
         transports: dict[str, Any] = {}
-        shm = ("shm",) if dist.get_backend() == "gloo" else ()
         methods = ("raw", "p2p", *shm, "rpc")
         streams = methods + ("raw+work",) * (label == "small")
         for method in streams:
@@ -291,7 +291,6 @@ def worker(args: argparse.Namespace) -> int:
                     "median_bytes_per_s": size * count / statistics.median(seconds),
                 }
     if dist.get_world_size() >= 2 and not args.bandwidth_only:
-        shm = ("shm",) if dist.get_backend() == "gloo" else ()
         for schedule in ("gpipe", "1f1b", "zero_bubble"):
             for transport in ("p2p", *shm, "rpc"):
                 record["steps"][f"asyncpipe {schedule} over {transport}"] = _step_time(

@@ -61,6 +61,6 @@ def auto_balance(
 
 
 def _p2p(transport: Transport) -> bool:
-    from ..transport import P2PTransport, ShmTransport
+    from ..transport import GroupTransport
 
-    return isinstance(transport, (P2PTransport, ShmTransport))
+    return isinstance(transport, GroupTransport)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 
+import torch.distributed as dist
 from torch import Tensor
 
 __all__: list[str] = []
@@ -91,3 +92,21 @@ class Transport(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources (pending messages are dropped)."""
+
+
+class GroupTransport(Transport):
+    """A transport whose pipeline ranks are the ranks of a ``torch.distributed`` process
+    group, in order (p2p, shm): the group can also carry the pipeline's collectives (shared
+    weights, ``balance="auto"``)."""
+
+    def _join(self, group: dist.ProcessGroup | None) -> None:
+        """Take this rank's place in ``group`` (default: the whole world)."""
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self._ranks = [
+            dist.get_global_rank(group, r) if group else r for r in range(self.world_size)
+        ]
+
+    def global_rank(self, rank: int) -> int:
+        """The rank in the default group of pipeline rank ``rank``."""
+        return self._ranks[rank]

@@ -10,6 +10,7 @@ An error notice is a header alone whose fields after the seventh hold the error 
 from __future__ import annotations
 
 import ctypes
+import struct
 from array import array
 from collections.abc import Sequence
 
@@ -26,6 +27,8 @@ PACK_LIMIT = 256 * 1024
 _ALIGN = 64
 _MAGIC = 0x41505031
 PACKED, ERROR, SEPARATE, EARLY = 0, 1, 2, 3
+MICROBATCHES = struct.Struct("qq")
+"""Header fields 3 and 4 (micro-batch, micro-batches), at bytes 24 to 40 of a header."""
 DTYPES: list[torch.dtype] = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
@@ -64,6 +67,12 @@ def encode_header(message: Message, payload: Sequence[Tensor | None]) -> list[in
     """The header fields of ``message``: magic, field count, kind, micro-batch, micro-batches,
     total packed bytes, tensor count, then (dtype code, requires_grad, ndim, *shape) each."""
     return encode(message, payload)[0]
+
+
+def kinds(tensors: Sequence[Tensor | None]) -> tuple[object, ...]:
+    """What decides a message's layout: each tensor's dtype, requires_grad and shape (a
+    pipeline sends the same kinds at every micro-batch, so layouts are made once per kind)."""
+    return tuple(None if t is None else (t.dtype, t.requires_grad, tuple(t.shape)) for t in tensors)
 
 
 def encode(message: Message, payload: Sequence[Tensor | None]) -> tuple[list[int], list[int]]:

@@ -31,7 +31,6 @@ from __future__ import annotations
 import ctypes
 import datetime
 import re
-import struct
 import time
 from array import array
 from collections import deque
@@ -43,13 +42,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..group import GroupRef
-from .base import Message, PendingRecv, Transport, TransportTimeout
+from .base import GroupTransport, Message, PendingRecv, TransportTimeout
 from .frame import (
     DTYPES,
     EARLY,
     ERROR,
     HEADER_BYTES,
     HEADER_SIZE,
+    MICROBATCHES,
     PACK_LIMIT,
     PACKED,
     SEPARATE,
@@ -58,6 +58,7 @@ from .frame import (
     encode,
     error_header,
     error_text,
+    kinds,
     layout,
     nbytes,
     pack,
@@ -108,9 +109,6 @@ def _completed(work: dist.Work, timeout: float) -> None:
             raise RuntimeError(f"Timed out after {timeout:.1f} s")
         time.sleep(pause)
         pause = min(pause * 2, 1e-3)
-
-
-_MICROBATCHES = struct.Struct("qq")  # header fields 3 and 4, at bytes 24 to 40
 
 
 @dataclass(frozen=True)
@@ -253,7 +251,7 @@ class _P2PRecv(PendingRecv):
         if expected is not None:
             head = ctypes.string_at(self.buffer.data_ptr(), expected.size)
             if head[:24] == expected.start and head[40:] == expected.end:
-                microbatch, microbatches = _MICROBATCHES.unpack_from(head, 24)
+                microbatch, microbatches = MICROBATCHES.unpack_from(head, 24)
                 return Message(microbatch, microbatches, self.views)
         fields = read_fields(
             self.buffer if self.buffer.device.type == "cpu" else self.buffer[:HEADER_BYTES].cpu()
@@ -313,7 +311,7 @@ class _P2PRecv(PendingRecv):
         return Message(microbatch, microbatches, tuple(tensors))
 
 
-class P2PTransport(Transport):
+class P2PTransport(GroupTransport):
     """Messages over ``torch.distributed`` point-to-point operations.
 
     Over NCCL, each pair of ranks runs its operations on one stream in the order they were
@@ -352,11 +350,7 @@ class P2PTransport(Transport):
                 "the p2p transport needs torch.distributed: call asyncpipe.init() first and "
                 "launch with torchrun, e.g. torchrun --standalone --nproc-per-node=2 train.py"
             )
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
-        self._ranks = [
-            dist.get_global_rank(group, r) if group else r for r in range(self.world_size)
-        ]
+        self._join(group)
         self.device = device or torch.device("cpu")
         nccl = dist.get_backend(group) == "nccl"
         self.ordered = nccl if ordered is None else ordered
@@ -412,9 +406,6 @@ class P2PTransport(Transport):
         """The group of messages from pipeline rank ``src`` to this rank."""
         return self._up() if src < self.rank else self._down()
 
-    def global_rank(self, rank: int) -> int:
-        return self._ranks[rank]
-
     def grow(self, key: tuple[int, int, int], size: int) -> None:
         """Both ends call this after a separate message: later ones of that size fit."""
         if self.packs and size <= PACK_LIMIT:
@@ -442,13 +433,11 @@ class P2PTransport(Transport):
     ) -> tuple[list[int], list[int]]:
         """:func:`encode_header`'s fields (a fresh list) and the tensors' offsets, computed once
         per kind of payload (a pipeline sends the same shapes at every micro-batch)."""
-        kinds = tuple(
-            None if t is None else (t.dtype, t.requires_grad, tuple(t.shape)) for t in payload
-        )
-        known = self._layouts.get(kinds)
+        kind = kinds(payload)
+        known = self._layouts.get(kind)
         if known is None:
             known = encode(message, payload)
-            self._layouts[kinds] = known
+            self._layouts[kind] = known
         fields = list(known[0])
         fields[3], fields[4] = message.microbatch, message.microbatches
         return fields, known[1]

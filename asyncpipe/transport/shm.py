@@ -36,14 +36,16 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..group import GroupRef
-from .base import Message, PendingRecv, Transport, TransportTimeout
+from .base import GroupTransport, Message, PendingRecv, TransportTimeout
 from .frame import (
     ERROR,
     HEADER_SIZE,
+    MICROBATCHES,
     decode_header,
     encode,
     error_header,
     error_text,
+    kinds,
     layout,
     read_fields,
     views,
@@ -53,7 +55,6 @@ from .ring import Doorbell, Ring, alive, started, unlink_doorbell, unlink_segmen
 __all__: list[str] = []
 
 _PREFIX = struct.Struct("qq")  # frame length, channel
-_MICROBATCHES = struct.Struct("qq")  # header fields 3 and 4, at bytes 24 to 40
 _SLICE = 0.05
 """Longest sleep of a wait between looks at the rings (a doorbell rung in the instant a
 writer's flag was read may be missed; the next look finds what it announced)."""
@@ -114,7 +115,7 @@ class _ShmRecv(PendingRecv):
         return self.transport.take(self.src, self.key, self.index, timeout)
 
 
-class ShmTransport(Transport):
+class ShmTransport(GroupTransport):
     """Messages through shared memory between the processes of one host.
 
     For pipelines whose ranks share a host (one machine's CPU, or processes sharing a GPU):
@@ -173,11 +174,7 @@ class ShmTransport(Transport):
             problems.append(f"spin must be a number of seconds in [0, 1) (got {spin!r})")
         if problems:
             raise ValueError("; ".join(problems))
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
-        self._ranks = [
-            dist.get_global_rank(group, r) if group else r for r in range(self.world_size)
-        ]
+        self._join(group)
         self._group = GroupRef(group)
         self.device = device or torch.device("cpu")
         self.ring_bytes, self.spin = ring_bytes, float(spin)
@@ -292,21 +289,15 @@ class ShmTransport(Transport):
         """The pipeline's process group (used only to set up, and by collectives)."""
         return self._group()
 
-    def global_rank(self, rank: int) -> int:
-        return self._ranks[rank]
-
     # -- sending -----------------------------------------------------------------------------
 
     def _frame(self, channel: int, message: Message) -> _Frame:
         """How a message of this channel and these kinds of tensors is laid out, made once
         (a pipeline sends the same shapes at every micro-batch)."""
-        kinds = (channel,) + tuple(
-            None if t is None else (t.dtype, t.requires_grad, tuple(t.shape))
-            for t in message.tensors
-        )
-        frame = self._frames.get(kinds)
+        kind = (channel, *kinds(message.tensors))
+        frame = self._frames.get(kind)
         if frame is None:
-            frame = self._frames[kinds] = _Frame.of(channel, message)
+            frame = self._frames[kind] = _Frame.of(channel, message)
         return frame
 
     def send(self, dst: int, channel: int, message: Message) -> None:
@@ -339,7 +330,7 @@ class ShmTransport(Transport):
             self._bells[dst].ring()
             return
         head = bytearray(frame.head)
-        _MICROBATCHES.pack_into(head, 40, message.microbatch, message.microbatches)
+        MICROBATCHES.pack_into(head, _PREFIX.size + 24, message.microbatch, message.microbatches)
         keep = (ctypes.c_char * len(head)).from_buffer(head)
         queue.append(_Piece(keep, ctypes.addressof(keep), len(head), key))
         for tensor, pad in zip(payload, frame.pads):
@@ -447,7 +438,7 @@ class ShmTransport(Transport):
             known = (specs, offsets)
             if len(self._decoded) < 256:
                 self._decoded[shape] = known
-        microbatch, microbatches = _MICROBATCHES.unpack_from(head, 24)
+        microbatch, microbatches = MICROBATCHES.unpack_from(head, 24)
         specs, offsets = known
         on_host = self.device.type == "cpu"
         tensors = views(buffer, specs, offsets, grad=on_host)
@@ -471,26 +462,51 @@ class ShmTransport(Transport):
     def take(self, src: int, key: tuple[int, int], index: int, timeout: float) -> Message:
         """The ``index``-th message from ``src`` on channel ``key[1]``, waiting for it at most
         ``timeout`` s (a TransportTimeout, or a ConnectionError once ``src`` has exited)."""
+
+        def late() -> str:
+            return (
+                f"rank {self.rank} timed out after {timeout:.1f} s waiting for a message from "
+                f"rank {src}; that rank is slow, stuck or gone (raise the pipeline's timeout if "
+                f"its work really takes longer)"
+            )
+
+        self._until(
+            lambda: index in self._arrived.get(key, ()),
+            timeout,
+            lambda: [src],
+            "a message",
+            late,
+            self.spin,
+        )
+        return self._arrived[key].pop(index)
+
+    def _until(
+        self,
+        ready: Callable[[], bool],
+        timeout: float,
+        peers: Callable[[], list[int]],
+        what: str,
+        late: Callable[[], str],
+        spin: float = 0.0,
+    ) -> None:
+        """Move messages both ways until ``ready()``: looking at the rings for ``spin`` s
+        (yielding the processor between looks), then sleeping on this rank's doorbell; every
+        second, check that the ``peers()`` this depends on still run (waiting for ``what``);
+        after ``timeout`` s raise TransportTimeout(``late()``)."""
         now = time.monotonic()
-        deadline, check, spin = now + timeout, now + _LIVENESS, now + self.spin
-        while True:
-            box = self._arrived.get(key)
-            if box is not None and index in box:
-                return box.pop(index)
+        deadline, check, spinning = now + timeout, now + _LIVENESS, now + spin
+        while not ready():
             if self._progress():
                 continue
             now = time.monotonic()
-            if now < spin:
+            if now < spinning:
                 os.sched_yield()
                 continue
             if now >= deadline:
-                raise TransportTimeout(
-                    f"rank {self.rank} timed out after {timeout:.1f} s waiting for a message "
-                    f"from rank {src}; that rank is slow, stuck or gone (raise the pipeline's "
-                    f"timeout if its work really takes longer)"
-                )
+                raise TransportTimeout(late())
             if now >= check:
-                self._alive(src, "a message")
+                for peer in peers():
+                    self._alive(peer, what)
                 check = now + _LIVENESS
             self._bell.wait(min(deadline - now, check - now, _SLICE))
 
@@ -510,24 +526,18 @@ class ShmTransport(Transport):
 
     def flush(self, timeout: float) -> None:
         """Wait until every message sent so far is in its ring (but those deferred)."""
-        deadline = time.monotonic() + timeout
-        check = time.monotonic() + _LIVENESS
-        while True:
-            self._progress()
-            waiting = [d for d, q in self._spill.items() if any(not p.deferred for p in q)]
-            if not waiting:
-                break
-            now = time.monotonic()
-            if now >= deadline:
-                raise TransportTimeout(
-                    f"rank {self.rank} could not finish its sends within {timeout:.1f} s: "
-                    f"rank(s) {waiting} took no more of them"
-                )
-            if now >= check:
-                for dst in waiting:
-                    self._alive(dst, "it to take a message")
-                check = now + _LIVENESS
-            self._bell.wait(min(deadline - now, check - now, _SLICE))
+
+        def waiting() -> list[int]:
+            return [d for d, q in self._spill.items() if any(not p.deferred for p in q)]
+
+        def late() -> str:
+            return (
+                f"rank {self.rank} could not finish its sends within {timeout:.1f} s: "
+                f"rank(s) {waiting()} took no more of them"
+            )
+
+        self._progress()
+        self._until(lambda: not waiting(), timeout, waiting, "it to take a message", late)
         for queue in self._spill.values():
             for piece in queue:
                 piece.deferred = False
