@@ -13,9 +13,14 @@ them. Each method runs ``--trials`` bursts, the methods taking turns; the
 table gives the best burst of each (the least disturbed by the machine) and the ratios of the
 medians beside. Round trip: ranks 0 and 1 send a small tensor back and forth ``--trips`` times
 per trial, each message sent when the previous one came back (one hop's latency); raw is the
-process group's own send/recv, as ``p2p`` calls them. Step time: ``AsyncPipe`` with the GPipe,
-1F1B and zero-bubble schedules on the reference workload (8 sleep layers, F ms forward) over
-each transport, and fairscale's ``AsyncPipe`` (fill-drain, over RPC) on the same workload.
+process group's own send/recv, as ``p2p`` calls them. Hop after waiting: rank 0 sleeps
+``IDLE_S`` (20 ms), then sends a small tensor to rank 1, which has waited for it all that
+time, ``--idle-hops`` times per trial; the median time from the send's start to the receive's
+return (one monotonic clock on the host) is a hop on a pipeline's critical path, where the
+receiver waited for a neighbour's compute and the sender comes out of its own. Step time:
+``AsyncPipe`` with the GPipe, 1F1B and zero-bubble schedules on the reference workload (8
+sleep layers, F ms forward) over each transport, and fairscale's ``AsyncPipe`` (fill-drain,
+over RPC) on the same workload.
 """
 
 from __future__ import annotations
@@ -190,6 +195,71 @@ def _round_trip(
     return seconds if rank == 0 else None
 
 
+IDLE_S = 0.02
+"""How long the receiver of a waiting hop waits before each message: about a stage's compute
+on the reference workload, which a rank waits for its neighbour's micro-batch in a pipeline."""
+
+
+def _waiting_hop(
+    method: str,
+    shape: tuple[int, ...],
+    hops: int,
+    transports: dict[str, Any],
+    device: torch.device,
+) -> float | None:
+    """The median seconds from rank 0 beginning to send a tensor of ``shape`` to rank 1
+    returning it from its receive, over ``hops`` messages each sent ``IDLE_S`` after the last
+    (None on the other ranks than 1): the latency of a hop whose receiver had been waiting, as
+    a pipeline's critical path pays it, sender and receiver both coming out of a sleep. Both
+    ranks read the same monotonic clock of this host; rank 0 sends its times at the end."""
+    from asyncpipe.transport import Message
+
+    rank = dist.get_rank()
+    transport = transports[method]
+    tensor = torch.randn(*shape, device=device)
+    group = dist.group.WORLD
+    assert group is not None
+
+    def post(n: int) -> Any:
+        if transport is None:
+            return group.recv([torch.empty(*shape, device=device)], 0, 20)
+        return transport.recv(0, 20, n % SLOTS)
+
+    dist.barrier()
+    if rank > 1:
+        dist.barrier()
+        return None
+    stamps = torch.zeros(hops, dtype=torch.float64, device=device)  # rank 0's send times
+    if rank == 0:
+        began = []
+        for n in range(hops):
+            time.sleep(IDLE_S)
+            began.append(time.perf_counter())
+            if transport is None:
+                group.send([tensor], 1, 20).wait()
+            else:
+                transport.send(1, 20, Message(n % SLOTS, SLOTS, (tensor,)))
+                transport.settle(1, 20, n % SLOTS, 120)
+        if transport is not None:
+            transport.flush(120)
+        stamps.copy_(torch.tensor(began, dtype=torch.float64))
+        dist.send(stamps, 1)
+        dist.barrier()
+        return None
+    arrived = []
+    for n in range(hops):
+        receive = post(n)
+        if transport is None:
+            receive.wait()
+        else:
+            receive.wait(120)
+        arrived.append(time.perf_counter())
+        synchronize(device)
+    dist.recv(stamps, 0)
+    dist.barrier()
+    return statistics.median(a - s for a, s in zip(arrived, stamps.tolist()))
+
+
 def _in_turns(
     methods: tuple[str, ...], trials: int, measure: Callable[..., float | None], *rest: Any
 ) -> dict[str, list[float]]:
@@ -280,6 +350,17 @@ def worker(args: argparse.Namespace) -> int:
                     }
                     for method, t in trips.items()
                 }
+            if args.idle_hops:
+                for method in methods:
+                    _waiting_hop(method, shape, SLOTS, transports, device)  # warm up
+                hops = _in_turns(
+                    methods, args.trials, _waiting_hop, shape, args.idle_hops, transports, device
+                )
+                if hops["raw"]:
+                    record["waiting_hop"] = {
+                        method: {"best_s": min(h), "median_s": statistics.median(h)}
+                        for method, h in hops.items()
+                    }
         for method, seconds in trials.items():
             if seconds:
                 size = 4 * int(torch.Size(shape).numel())
@@ -361,8 +442,11 @@ def bandwidth_table(bandwidth: dict[str, dict[str, float]], micro_batch: int) ->
     return "\n".join(lines)
 
 
-def round_trip_table(trips: dict[str, dict[str, float]], micro_batch: int) -> str:
-    """The markdown table of rank 0's ``record["round_trip"]``: one hop's latency."""
+def round_trip_table(
+    trips: dict[str, dict[str, float]], micro_batch: int, lead: str = "round trip of"
+) -> str:
+    """The markdown table of rank 0's ``record["round_trip"]`` (one hop's latency), or of rank
+    1's ``record["waiting_hop"]`` with ``lead`` naming it: best and median of each method."""
     ours = _ours(trips)
     raw = trips["raw"]
     entries = [trips[m] for m in ours]
@@ -373,7 +457,7 @@ def round_trip_table(trips: dict[str, dict[str, float]], micro_batch: int) -> st
 
     return "\n".join(
         [
-            *_head(["round trip of"], ours),
+            *_head([lead], ours),
             f"| {shape} | {us(raw)} | "
             + " | ".join(us(e) for e in entries)
             + " | "
@@ -389,6 +473,10 @@ def _table(records: list[dict[str, Any]], args: argparse.Namespace) -> str:
     lines = [bandwidth_table(records[1]["bandwidth"], args.micro_batch)]
     if "round_trip" in records[0]:
         lines += ["", round_trip_table(records[0]["round_trip"], args.micro_batch)]
+    if "waiting_hop" in records[1]:
+        hop = records[1]["waiting_hop"]
+        lead = f"hop after {IDLE_S * 1e3:.0f} ms of waiting, of"
+        lines += ["", round_trip_table(hop, args.micro_batch, lead)]
     if args.bandwidth_only:
         return "\n".join(lines)
     steps = records[0]["steps"]
@@ -433,6 +521,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--trips", type=int, default=200, help="round trips of the small shape per trial"
+    )
+    parser.add_argument(
+        "--idle-hops",
+        type=int,
+        default=30,
+        help="messages per trial of the hop to a receiver that waited (0: none)",
     )
     parser.add_argument("--f-ms", type=float, default=5.0, help="forward sleep per layer (ms)")
     parser.add_argument("--chunks", type=int, default=8, help="micro-batches per step")

@@ -141,6 +141,9 @@ def test_round_trip_table_gives_microseconds_and_ratios_to_raw() -> None:
     del trips["shm"]  # a record without shm (a CUDA run over NCCL): no column for it
     row = round_trip_table(trips, micro_batch=8).splitlines()[2]
     assert row == "| (8, 1024) | 200 us | 300 us | 1000 us | 1.50 | 5.00 | 1.60 / 8.00 |"
+    # the same table for the hop to a receiver that waited, named by its first column
+    head = round_trip_table(trips, micro_batch=8, lead="hop after 20 ms of waiting, of")
+    assert head.startswith("| hop after 20 ms of waiting, of | raw send/recv | p2p | rpc |")
 
 
 def test_section_names_the_device_and_carries_every_part(tmp_path: Path) -> None:
