@@ -133,6 +133,26 @@ class _Expected:
         return cls(raw[:24], raw[40:], len(raw), fields[5], specs, offsets)
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """How the messages of one kind of payload (dtypes, requires_grad, shapes) are laid out:
+    the header fields (micro-batch fields to be set), the tensors' offsets in a packed message
+    and, where no tensor is complex, their sizes in bytes (None otherwise: see
+    :func:`~asyncpipe.transport.frame.pack`). Made once per kind, so a message reads no more of
+    its tensors than their memory: on a hop's critical path every call into torch counts."""
+
+    fields: list[int]
+    offsets: list[int]
+    sizes: list[int] | None
+
+    @classmethod
+    def of(cls, message: Message, payload: Sequence[Tensor | None]) -> _Layout:
+        fields, offsets = encode(message, payload)
+        plain = not any(t is not None and t.is_complex() for t in payload)
+        sizes = [0 if t is None else t.nbytes for t in payload] if plain else None
+        return cls(fields, offsets, sizes)
+
+
 class _Lane:
     """The receives from one peer on one channel whose slot's last message was large (more
     than ``PACK_LIMIT`` bytes, so it went separate, header then tensors), in posting order.
@@ -200,16 +220,18 @@ class _P2PRecv(PendingRecv):
             expected = None
         self.expected = expected
         self.views: tuple[Tensor | None, ...] = ()
+        self.address = 0
         if self.expected is not None:
             specs, offsets = self.expected.specs, self.expected.offsets
             self.views = tuple(views(self.buffer, specs, offsets, grad=True))
+            self.address = self.buffer.data_ptr()
 
     def _wait(self, work: dist.Work | None, timeout: float, what: str) -> None:
         assert work is not None  # point-to-point operations always return a Work
         try:
-            if self.transport.wire.type == "cuda":
+            if not self.transport._direct:
                 _completed(work, timeout)  # NCCL's wait only orders the current stream
-            work.wait(datetime.timedelta(seconds=max(timeout, 0.001)))
+            work.wait(self.transport.timedelta(timeout))
         except RuntimeError as e:
             text = str(e)
             me = self.transport.rank
@@ -249,7 +271,7 @@ class _P2PRecv(PendingRecv):
         self.work = None  # hold no finished Work: gloo may abort on them at interpreter exit
         expected = self.expected
         if expected is not None:
-            head = ctypes.string_at(self.buffer.data_ptr(), expected.size)
+            head = ctypes.string_at(self.address, expected.size)
             if head[:24] == expected.start and head[40:] == expected.end:
                 microbatch, microbatches = MICROBATCHES.unpack_from(head, 24)
                 return Message(microbatch, microbatches, self.views)
@@ -362,6 +384,7 @@ class P2PTransport(GroupTransport):
         # the groups' own send and recv, skipping torch.distributed's per-call checks (tens of
         # microseconds each on a hop's critical path).
         self._direct = self.wire.type == "cpu"
+        self._timedelta = (-1.0, datetime.timedelta(0))
         self._up = GroupRef(group)
         self._down = GroupRef(down_group if self.ordered else group)
         self.capacity: dict[tuple[int, int, int], int] = {}
@@ -369,8 +392,8 @@ class P2PTransport(GroupTransport):
         # the received buffer (host memory)
         self.expects = self.packs and self.wire == self.device
         self.expected: dict[tuple[int, int], _Expected] = {}
-        # the header fields and tensor offsets of a packed message, by its tensors' kinds
-        self._layouts: dict[tuple[object, ...], tuple[list[int], list[int]]] = {}
+        # how a message is laid out, by its tensors' kinds
+        self._layouts: dict[tuple[object, ...], _Layout] = {}
         # packed buffers whose sends have completed, by size, for the next packed sends
         self._spare: dict[int, list[Tensor]] = {}
         # the packed buffers of pending sends, by id (held, so that no id is reused)
@@ -406,16 +429,27 @@ class P2PTransport(GroupTransport):
         """The group of messages from pipeline rank ``src`` to this rank."""
         return self._up() if src < self.rank else self._down()
 
+    def timedelta(self, timeout: float) -> datetime.timedelta:
+        """``timeout`` seconds (at least a millisecond) as a timedelta, the last one kept: a
+        pipeline waits with the same timeout every time."""
+        last = self._timedelta
+        if last[0] != timeout:
+            last = self._timedelta = (timeout, datetime.timedelta(seconds=max(timeout, 0.001)))
+        return last[1]
+
     def grow(self, key: tuple[int, int, int], size: int) -> None:
         """Both ends call this after a separate message: later ones of that size fit."""
         if self.packs and size <= PACK_LIMIT:
             self.capacity[key] = max(self.capacity.get(key, HEADER_BYTES), size)
 
-    def _isend(self, tensor: Tensor, key: tuple[int, int, int], tag: int) -> None:
+    def _isend(
+        self, tensor: Tensor, key: tuple[int, int, int], tag: int, plain: bool = False
+    ) -> None:
+        """Send ``tensor`` (``plain``: known not to be complex, a packed buffer)."""
         peer = key[0]
         work: dist.Work | None
         if self._direct:  # pipeline rank = rank in either group
-            wire = torch.view_as_real(tensor) if tensor.is_complex() else tensor
+            wire = tensor if plain or not tensor.is_complex() else torch.view_as_real(tensor)
             work = self.group_to(peer).send([wire], peer, tag)
         else:
             work = dist.isend(tensor, self.global_rank(peer), group=self.group_to(peer), tag=tag)
@@ -430,22 +464,22 @@ class P2PTransport(GroupTransport):
 
     def _layout(
         self, message: Message, payload: Sequence[Tensor | None]
-    ) -> tuple[list[int], list[int]]:
-        """:func:`encode_header`'s fields (a fresh list) and the tensors' offsets, computed once
-        per kind of payload (a pipeline sends the same shapes at every micro-batch)."""
+    ) -> tuple[list[int], _Layout]:
+        """:func:`encode_header`'s fields (a fresh list) and the layout of ``payload``, made
+        once per kind of payload (a pipeline sends the same shapes at every micro-batch)."""
         kind = kinds(payload)
         known = self._layouts.get(kind)
         if known is None:
-            known = encode(message, payload)
-            self._layouts[kind] = known
-        fields = list(known[0])
+            known = self._layouts[kind] = _Layout.of(message, payload)
+        fields = list(known.fields)
         fields[3], fields[4] = message.microbatch, message.microbatches
-        return fields, known[1]
+        return fields, known
 
-    def _pack(self, fields: list[int], offsets: list[int], payload: list[Tensor | None]) -> Tensor:
+    def _pack(self, fields: list[int], layout: _Layout, payload: list[Tensor | None]) -> Tensor:
         """A packed message in a spare buffer of its size where one is free."""
         spare = self._spare.get(fields[5])
-        buffer = pack(fields, offsets, payload, spare.pop() if spare else None)
+        buffer = spare.pop() if spare else None
+        buffer = pack(fields, layout.offsets, payload, buffer, layout.sizes)
         self._packed[id(buffer)] = buffer
         return buffer
 
@@ -460,10 +494,10 @@ class P2PTransport(GroupTransport):
         # a stand-in each.
         record = self._sent.get(key)
         payload = list(message.tensors)
-        fields, offsets = self._layout(message, payload)
+        fields, layout = self._layout(message, payload)
         total = fields[5]
         if total <= self.capacity.get(key, HEADER_BYTES):  # packing is for gloo: host memory
-            self._isend(self._pack(fields, offsets, payload), key, 3 * channel)
+            self._isend(self._pack(fields, layout, payload), key, 3 * channel, plain=True)
             if record is not None:
                 self._stand_ins(key, record)
                 del self._sent[key]
