@@ -107,6 +107,29 @@ def test_packed_message_round_trip() -> None:
         assert torch.equal(got, sent.detach().resolve_conj())
 
 
+def test_packed_message_with_known_sizes_matches_the_general_packing() -> None:
+    """The p2p transport passes the tensors' sizes where no tensor is complex: one memmove
+    per contiguous host tensor, torch's copy for the rest; the bytes are the same."""
+    base = torch.randn(6, 5)
+    payload: list[torch.Tensor | None] = [
+        torch.randn(3, 4, requires_grad=True),
+        base.t(),  # not contiguous: copied by torch
+        base[1:4, 2],
+        torch.empty(0, 7),
+        torch.tensor([True, False, True]),
+        None,
+    ]
+    message = Message(1, 4, tuple(payload))
+    fields = encode_header(message, payload)
+    offsets, total = layout(len(fields), decode_header(fields)[4])
+    sizes = [0 if t is None else t.nbytes for t in payload]
+    general = pack(fields, offsets, payload, torch.zeros(total, dtype=torch.uint8))
+    known = pack(fields, offsets, payload, torch.zeros(total, dtype=torch.uint8), sizes)
+    assert torch.equal(known, general)
+    for sent, got in zip(payload, unpack(known, fields)):
+        assert (got is None) if sent is None else torch.equal(got, sent.detach())
+
+
 def test_header_rejects_too_many_tensors() -> None:
     many = [torch.zeros(1, 1, 1, 1) for _ in range(60)]
     with pytest.raises(ValueError, match="too many tensors"):
