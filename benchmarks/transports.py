@@ -229,7 +229,6 @@ def _waiting_hop(
     if rank > 1:
         dist.barrier()
         return None
-    stamps = torch.zeros(hops, dtype=torch.float64, device=device)  # rank 0's send times
     if rank == 0:
         began = []
         for n in range(hops):
@@ -242,8 +241,7 @@ def _waiting_hop(
                 transport.settle(1, 20, n % SLOTS, 120)
         if transport is not None:
             transport.flush(120)
-        stamps.copy_(torch.tensor(began, dtype=torch.float64))
-        dist.send(stamps, 1)
+        dist.send(torch.tensor(began, dtype=torch.float64, device=device), 1)
         dist.barrier()
         return None
     arrived = []
@@ -253,8 +251,9 @@ def _waiting_hop(
             receive.wait()
         else:
             receive.wait(120)
+        synchronize(device)  # the data is here, not only ordered on a stream (NCCL)
         arrived.append(time.perf_counter())
-        synchronize(device)
+    stamps = torch.empty(hops, dtype=torch.float64, device=device)  # rank 0's send times
     dist.recv(stamps, 0)
     dist.barrier()
     return statistics.median(a - s for a, s in zip(arrived, stamps.tolist()))

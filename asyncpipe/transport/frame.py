@@ -123,25 +123,18 @@ def pack(
     base = buffer.data_ptr()
     header = array("q", fields).tobytes()
     ctypes.memmove(base, header, len(header))
-    if sizes is not None:
-        for tensor, offset, size in zip(payload, offsets, sizes):
-            if tensor is None or not size:
-                continue
-            if tensor.is_cpu and tensor.is_contiguous():
-                ctypes.memmove(base + offset, tensor.data_ptr(), size)
-            else:
-                flat = tensor.detach().contiguous().view(-1).view(torch.uint8)
-                buffer[offset : offset + size].copy_(flat)
-        return buffer
-    for tensor, offset in zip(payload, offsets):
+    known = sizes is not None  # and so no tensor is complex
+    for n, (tensor, offset) in enumerate(zip(payload, offsets)):
         if tensor is None:
             continue
-        if tensor.device.type == "cpu" and not tensor.is_complex() and tensor.is_contiguous():
-            if tensor.numel():
-                ctypes.memmove(base + offset, tensor.data_ptr(), tensor.nbytes)
+        size = sizes[n] if sizes is not None else tensor.nbytes
+        if not size:
+            continue
+        if tensor.is_cpu and tensor.is_contiguous() and (known or not tensor.is_complex()):
+            ctypes.memmove(base + offset, tensor.data_ptr(), size)
         else:  # another device, a strided view, or a lazily conjugated complex tensor
             flat = tensor.detach().resolve_conj().contiguous().view(-1).view(torch.uint8)
-            buffer[offset : offset + flat.numel()].copy_(flat)
+            buffer[offset : offset + size].copy_(flat)
     return buffer
 
 
