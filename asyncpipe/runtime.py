@@ -421,9 +421,27 @@ class Runtime(Compute):
                 work.pending[action] = self.transport.recv(*self.channel(action), action.microbatch)
         work.unposted = []
 
+    def _post_next(self, work: Work, action: Action) -> None:
+        """Post the next receive of ``action``'s channel only: what the rank will wait for
+        next there, posted now so that its message can move during the coming compute."""
+        for index, later in enumerate(work.unposted):
+            if (later.kind, later.stage, later.peer) == (action.kind, action.stage, action.peer):
+                del work.unposted[index]
+                work.pending[later] = self.transport.recv(*self.channel(later), later.microbatch)
+                return
+
     def recv(self, work: Work, action: Action) -> None:
+        pending = work.pending.get(action)
         if work.unposted:
-            self._post_receives(work)
+            if isinstance(pending, _Ready) and self.transport.early_receives:
+                # The message is here already (a rank's first, taken before the step was
+                # planned): the rank does not block, so posting the whole step's receives
+                # now (tenths of a millisecond to milliseconds) would only delay the compute
+                # the next rank waits for. Post the next one of this channel; the rest go
+                # when the rank may block next.
+                self._post_next(work, action)
+            else:
+                self._post_receives(work)
         pending = work.pending.pop(action, None)
         if pending is None:  # this transport takes receives only when they are due
             pending = self.transport.recv(*self.channel(action), action.microbatch)

@@ -307,6 +307,57 @@ def test_missing_input_on_the_first_stage_fails_everywhere() -> None:
     assert "input is needed on stage 0" in str(results[1][1])
 
 
+def test_a_rank_posts_its_steps_receives_after_its_first_compute_not_before() -> None:
+    """A rank whose first message is in hand when the step begins posts only that channel's
+    next receive before its first forward (the next rank waits for that forward); the rest
+    of the step's receives go when it may block next. Gradients stay the plain model's."""
+    from asyncpipe.runtime import STATUS_CHANNEL
+    from asyncpipe.transport.inprocess import InProcessTransport
+
+    posted: dict[int, int] = {}
+    seen: dict[int, int] = {}
+
+    class Counting(InProcessTransport):
+        def recv(self, src: int, channel: int, slot: int = 0) -> Any:
+            if channel < STATUS_CHANNEL:
+                posted[self.rank] = posted.get(self.rank, 0) + 1
+            return super().recv(src, channel, slot)
+
+    class Hub(asyncpipe.transport.InProcessHub):
+        def transport(self, rank: int) -> InProcessTransport:
+            return Counting(self, rank)
+
+    class Probe(nn.Linear):
+        def __init__(self, rank: int) -> None:
+            super().__init__(8, 8)
+            self.rank = rank
+
+        def forward(self, x: Tensor) -> Tensor:
+            seen.setdefault(self.rank, posted.get(self.rank, 0))
+            return torch.tanh(super().forward(x))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Probe(0), Probe(1), Probe(2))
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    want_loss, want_grads = reference(model, x, y, 4, mse)
+    seen.clear()
+
+    def fn(rank: int, transport: Transport) -> float:
+        pipe = AsyncPipe(
+            model, [1, 1, 1], chunks=4, schedule="1f1b", transport=transport, timeout=10
+        )
+        return pipe.step(x, y, mse)
+
+    losses = values(run_threads(fn, 3, hub_type=Hub))
+    assert losses == pytest.approx([want_loss] * 3, rel=1e-6)
+    for got, want in zip(grads_of(list(model.parameters())), want_grads):
+        torch.testing.assert_close(got, want)
+    # rank 0 has no receive before its forwards; ranks 1 and 2: the first and the next
+    assert seen == {0: 0, 1: 2, 2: 2}
+    # every receive was posted in the end: 4 forwards (and 4 gradients on the middle rank)
+    assert posted == {0: 4, 1: 8, 2: 4}
+
+
 def test_a_failed_pipeline_refuses_further_steps() -> None:
     model = nn.Sequential(nn.Linear(8, 8), Boom("forward", 0))
 
