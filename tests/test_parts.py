@@ -17,7 +17,7 @@ from asyncpipe.transport.frame import (
     read_fields,
     unpack,
 )
-from asyncpipe.transport.p2p import _completed
+from asyncpipe.transport.p2p_recv import _completed
 
 
 def test_partition_without_reuse() -> None:
