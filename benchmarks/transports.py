@@ -20,12 +20,15 @@ return (one monotonic clock on the host) is a hop on a pipeline's critical path,
 receiver waited for a neighbour's compute and the sender comes out of its own. Step time:
 ``AsyncPipe`` with the GPipe, 1F1B and zero-bubble schedules on the reference workload (8
 sleep layers, F ms forward) over each transport, and fairscale's ``AsyncPipe`` (fill-drain,
-over RPC) on the same workload.
+over RPC) on the same workload, in ``--rounds`` rounds of ``--steps`` steps each (a fresh
+pipeline per system and round, the order reversed every other round); the table compares
+medians over all rounds and, round by round, systems that ran minutes apart at most.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -44,7 +47,7 @@ from .sections import provenance, write_section
 from .worker import _loss, timed_steps, write_record
 from .workload import SHAPES, build_model, make_batch, nominal_ideal_s
 
-__all__ = ["bandwidth_table", "main"]
+__all__ = ["bandwidth_table", "main", "step_rows"]
 
 
 # ----- worker side -----------------------------------------------------------------------------
@@ -274,9 +277,10 @@ def _in_turns(
     return out
 
 
-def _step_time(
-    transport: str, f_ms: float, chunks: int, steps: int, schedule: str
-) -> dict[str, float]:
+def _asyncpipe_stepper(
+    transport: str, f_ms: float, chunks: int, schedule: str
+) -> Callable[[], object]:
+    """One step of a fresh ``AsyncPipe`` on the reference workload (a callable)."""
     import asyncpipe
 
     world = dist.get_world_size()
@@ -291,21 +295,63 @@ def _step_time(
     )
     x, y = make_batch(chunks, 4, "small")
     first, last = pipe.is_first_stage, pipe.is_last_stage
-    times = timed_steps(lambda: pipe.step(x if first else None, y if last else None, _loss), steps)
-    return {"median_s": statistics.median(times), "min_s": min(times)}
+    return lambda: pipe.step(x if first else None, y if last else None, _loss)
 
 
-def _fairscale_step_time(f_ms: float, chunks: int, steps: int) -> dict[str, Any]:
-    """fairscale's AsyncPipe (over RPC) on the same workload, or why it could not run."""
+def _fairscale_stepper(f_ms: float, chunks: int) -> Callable[[], object]:
+    """One step of a fresh fairscale ``AsyncPipe`` (over RPC) on the same workload."""
     world = dist.get_world_size()
     model = build_model(f_ms)
     x, y = make_batch(chunks, 4, "small")
-    try:
-        step = fairscale_asyncpipe_step(model, [len(model) // world] * world, chunks, x, y)
-    except Exception as e:
-        return {"error": f"{type(e).__name__}: {e}"}
-    times = timed_steps(step, steps)
-    return {"median_s": statistics.median(times), "min_s": min(times)}
+    return fairscale_asyncpipe_step(model, [len(model) // world] * world, chunks, x, y)
+
+
+FAIRSCALE = "fairscale AsyncPipe over rpc"
+
+
+def _step_times(args: argparse.Namespace, transports: tuple[str, ...]) -> dict[str, Any]:
+    """Every system's step time on the reference workload, in ``args.rounds`` rounds: in each,
+    every system builds a fresh pipeline and runs ``args.steps`` timed steps, the order reversed
+    every other round, so that each sees the machine as the others do (fairscale's own step
+    time swings several-fold from one stretch of time to the next). Per system: the median and
+    best of all steps and the median of each round; or why fairscale could not run."""
+    makers: dict[str, Callable[[], Callable[[], object]]] = {
+        f"asyncpipe {schedule} over {transport}": functools.partial(
+            _asyncpipe_stepper, transport, args.f_ms, args.chunks, schedule
+        )
+        for schedule in ("gpipe", "1f1b", "zero_bubble")
+        for transport in transports
+    }
+    makers[FAIRSCALE] = functools.partial(_fairscale_stepper, args.f_ms, args.chunks)
+    times: dict[str, list[float]] = {name: [] for name in makers}
+    rounds: dict[str, list[float]] = {name: [] for name in makers}
+    errors: dict[str, str] = {}
+    names = list(makers)
+    for turn in range(args.rounds):
+        for name in names if turn % 2 == 0 else names[::-1]:
+            if name in errors:
+                continue
+            try:
+                step = makers[name]()
+            except Exception as e:  # fairscale on a PyTorch it does not support
+                if name != FAIRSCALE:
+                    raise
+                errors[name] = f"{type(e).__name__}: {e}"
+                continue
+            seconds = timed_steps(step, args.steps)
+            times[name] += seconds
+            rounds[name].append(statistics.median(seconds))
+    out: dict[str, Any] = {}
+    for name in names:
+        if name in errors:
+            out[name] = {"error": errors[name]}
+        else:
+            out[name] = {
+                "median_s": statistics.median(times[name]),
+                "min_s": min(times[name]),
+                "round_medians_s": rounds[name],
+            }
+    return out
 
 
 def worker(args: argparse.Namespace) -> int:
@@ -371,14 +417,7 @@ def worker(args: argparse.Namespace) -> int:
                     "median_bytes_per_s": size * count / statistics.median(seconds),
                 }
     if dist.get_world_size() >= 2 and not args.bandwidth_only:
-        for schedule in ("gpipe", "1f1b", "zero_bubble"):
-            for transport in ("p2p", *shm, "rpc"):
-                record["steps"][f"asyncpipe {schedule} over {transport}"] = _step_time(
-                    transport, args.f_ms, args.chunks, args.steps, schedule
-                )
-        record["steps"]["fairscale AsyncPipe over rpc"] = _fairscale_step_time(
-            args.f_ms, args.chunks, args.steps
-        )
+        record["steps"] = _step_times(args, ("p2p", *shm, "rpc"))
     write_record(Path(args.out) / f"rank{dist.get_rank()}.json", record)
     asyncpipe.shutdown()
     return 0
@@ -488,20 +527,36 @@ def _table(records: list[dict[str, Any]], args: argparse.Namespace) -> str:
         f"fairscale's AsyncPipe runs fill-drain (GPipe), so the GPipe rows are the like-for-like "
         f"comparison; the others are what one argument (schedule=...) gives on the same workload:",
         "",
-        "| system | median step | best step | median / GPipe's nominal ideal | fairscale / this |",
-        "|---|---:|---:|---:|---:|",
+        "| system | median step | best step | median / GPipe's nominal ideal | fairscale / this "
+        "| fairscale / this, by round | this / fairscale, by round |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    peer = steps["fairscale AsyncPipe over rpc"]
+    return "\n".join(lines + step_rows(steps, ideal))
+
+
+def step_rows(steps: dict[str, dict[str, Any]], ideal: float) -> list[str]:
+    """The step-time table's rows: each system's median and best step, its median over the
+    nominal ideal, fairscale's median over its median, and the same ratio (and its inverse,
+    the target's form) in each round, lowest to highest (both ran in the same round)."""
+    peer = steps[FAIRSCALE]
+    rows = []
     for name, entry in steps.items():
         if "error" in entry:
-            lines.append(f"| {name} | did not run: {entry['error']} | | | |")
+            rows.append(f"| {name} | did not run: {entry['error']} | | | | | |")
             continue
-        versus = f"{peer['median_s'] / entry['median_s']:.2f}" if "median_s" in peer else "n/a"
-        lines.append(
+        versus = by_round = inverse = "n/a"
+        if "median_s" in peer:
+            versus = f"{peer['median_s'] / entry['median_s']:.2f}"
+            pairs = zip(peer.get("round_medians_s", []), entry.get("round_medians_s", []))
+            ratios = sorted(theirs / ours for theirs, ours in pairs)
+            if ratios:
+                by_round = f"{ratios[0]:.2f}-{ratios[-1]:.2f}"
+                inverse = f"{1 / ratios[-1]:.2f}-{1 / ratios[0]:.2f}"
+        rows.append(
             f"| {name} | {entry['median_s'] * 1e3:.1f} ms | {entry['min_s'] * 1e3:.1f} ms | "
-            f"{entry['median_s'] / ideal:.2f}x | {versus} |"
+            f"{entry['median_s'] / ideal:.2f}x | {versus} | {by_round} | {inverse} |"
         )
-    return "\n".join(lines)
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -529,7 +584,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--f-ms", type=float, default=5.0, help="forward sleep per layer (ms)")
     parser.add_argument("--chunks", type=int, default=8, help="micro-batches per step")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per transport")
+    parser.add_argument(
+        "--steps", type=int, default=4, help="timed steps per system and round (step time)"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="rounds of the step times, the order reversed in turn"
+    )
     parser.add_argument(
         "--markdown", type=Path, default=None, help="page to write the tables in (its section)"
     )

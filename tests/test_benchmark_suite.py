@@ -224,3 +224,36 @@ def test_schedule_targets_are_judged_per_transport() -> None:
     cells = table_cells(rows)
     assert cells[5][2] == "1f1b over shm" and cells[5][1] == "asyncpipe"
     assert cells[5][6] == "1.01x"  # against gpipe over shm, not over p2p
+
+
+def test_step_rows_compare_with_fairscale_overall_and_round_by_round() -> None:
+    from benchmarks.transports import FAIRSCALE, step_rows
+
+    steps = {
+        "asyncpipe gpipe over p2p": {
+            "median_s": 0.36,
+            "min_s": 0.35,
+            "round_medians_s": [0.36, 0.37, 0.35],
+        },
+        "asyncpipe gpipe over rpc": {"median_s": 0.5, "min_s": 0.39},  # no rounds recorded
+        FAIRSCALE: {"median_s": 0.45, "min_s": 0.42, "round_medians_s": [0.72, 0.37, 0.45]},
+    }
+    ours, old, peer = step_rows(steps, ideal=0.33)
+    cells = [c.strip() for c in ours.strip("|").split("|")]
+    assert cells == [
+        "asyncpipe gpipe over p2p",
+        "360.0 ms",
+        "350.0 ms",
+        "1.09x",
+        "1.25",  # 0.45 / 0.36
+        "1.00-2.00",  # rounds: 0.37 / 0.37, 0.45 / 0.35 = 1.29, 0.72 / 0.36
+        "0.50-1.00",
+    ]
+    assert old.split("|")[5:8] == [" 0.90 ", " n/a ", " n/a "]
+    assert [c.strip() for c in peer.strip("|").split("|")][-3:] == [
+        "1.00",
+        "1.00-1.00",
+        "1.00-1.00",
+    ]
+    failed = step_rows({FAIRSCALE: {"error": "ImportError: no fairscale"}}, ideal=0.33)
+    assert "did not run: ImportError: no fairscale" in failed[0]
