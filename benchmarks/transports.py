@@ -20,9 +20,10 @@ return (one monotonic clock on the host) is a hop on a pipeline's critical path,
 receiver waited for a neighbour's compute and the sender comes out of its own. Step time:
 ``AsyncPipe`` with the GPipe, 1F1B and zero-bubble schedules on the reference workload (8
 sleep layers, F ms forward) over each transport, and fairscale's ``AsyncPipe`` (fill-drain,
-over RPC) on the same workload, in ``--rounds`` rounds of ``--steps`` steps each (a fresh
-pipeline per system and round, the order reversed every other round); the table compares
-medians over all rounds and, round by round, systems that ran minutes apart at most.
+over RPC) on the same workload, in ``--rounds`` rounds of ``--steps`` steps each, every round
+in new processes (fairscale last in each: its pipeline slows down whatever runs after it in the
+same processes); the table compares medians over all rounds and, round by round, systems that
+ran in the same processes a minute apart at most.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from .sections import provenance, write_section
 from .worker import _loss, timed_steps, write_record
 from .workload import SHAPES, build_model, make_batch, nominal_ideal_s
 
-__all__ = ["bandwidth_table", "main", "step_rows"]
+__all__ = ["bandwidth_table", "main", "merge_rounds", "step_rows"]
 
 
 # ----- worker side -----------------------------------------------------------------------------
@@ -310,11 +311,11 @@ FAIRSCALE = "fairscale AsyncPipe over rpc"
 
 
 def _step_times(args: argparse.Namespace, transports: tuple[str, ...]) -> dict[str, Any]:
-    """Every system's step time on the reference workload, in ``args.rounds`` rounds: in each,
-    every system builds a fresh pipeline and runs ``args.steps`` timed steps, the order reversed
-    every other round, so that each sees the machine as the others do (fairscale's own step
-    time swings several-fold from one stretch of time to the next). Per system: the median and
-    best of all steps and the median of each round; or why fairscale could not run."""
+    """One round of every system's step time on the reference workload: each builds a fresh
+    pipeline and runs ``args.steps`` timed steps, fairscale last (its RPC pipeline leaves these
+    processes slower for whatever runs after it: 370-390 ms GPipe steps over ``p2p`` became 425
+    after two of its runs, over ``rpc`` 390 became 750). Per system: the times of its steps, or
+    why fairscale could not run. The driver runs ``--rounds`` of these, each in new processes."""
     makers: dict[str, Callable[[], Callable[[], object]]] = {
         f"asyncpipe {schedule} over {transport}": functools.partial(
             _asyncpipe_stepper, transport, args.f_ms, args.chunks, schedule
@@ -323,34 +324,34 @@ def _step_times(args: argparse.Namespace, transports: tuple[str, ...]) -> dict[s
         for transport in transports
     }
     makers[FAIRSCALE] = functools.partial(_fairscale_stepper, args.f_ms, args.chunks)
-    times: dict[str, list[float]] = {name: [] for name in makers}
-    rounds: dict[str, list[float]] = {name: [] for name in makers}
-    errors: dict[str, str] = {}
-    names = list(makers)
-    for turn in range(args.rounds):
-        for name in names if turn % 2 == 0 else names[::-1]:
-            if name in errors:
-                continue
-            try:
-                step = makers[name]()
-            except Exception as e:  # fairscale on a PyTorch it does not support
-                if name != FAIRSCALE:
-                    raise
-                errors[name] = f"{type(e).__name__}: {e}"
-                continue
-            seconds = timed_steps(step, args.steps)
-            times[name] += seconds
-            rounds[name].append(statistics.median(seconds))
     out: dict[str, Any] = {}
-    for name in names:
-        if name in errors:
-            out[name] = {"error": errors[name]}
-        else:
-            out[name] = {
-                "median_s": statistics.median(times[name]),
-                "min_s": min(times[name]),
-                "round_medians_s": rounds[name],
-            }
+    for name, make in makers.items():
+        try:
+            step = make()
+        except Exception as e:  # fairscale on a PyTorch it does not support
+            if name != FAIRSCALE:
+                raise
+            out[name] = {"error": f"{type(e).__name__}: {e}"}
+            continue
+        out[name] = {"times_s": timed_steps(step, args.steps)}
+    return out
+
+
+def merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The step-time records of several rounds as one: per system, the median and best of all
+    its steps and the median of each round (or the first round's error)."""
+    out: dict[str, Any] = {}
+    for name, first in rounds[0].items():
+        if "error" in first:
+            out[name] = first
+            continue
+        runs = [r[name]["times_s"] for r in rounds if "times_s" in r.get(name, {})]
+        every = [t for run in runs for t in run]
+        out[name] = {
+            "median_s": statistics.median(every),
+            "min_s": min(every),
+            "round_medians_s": [statistics.median(run) for run in runs],
+        }
     return out
 
 
@@ -369,10 +370,8 @@ def worker(args: argparse.Namespace) -> int:
     }
     micro = args.micro_batch
     shm = ("shm",) if dist.get_backend() == "gloo" else ()  # needs a gloo group
-    for label, shape in (
-        ("small", (micro, *SHAPES["small"])),
-        ("large", (micro, *SHAPES["large"])),
-    ):
+    shapes = (("small", (micro, *SHAPES["small"])), ("large", (micro, *SHAPES["large"])))
+    for label, shape in () if args.steps_only else shapes:
         count = args.messages if label == "small" else max(args.messages // 10, 20)
         transports: dict[str, Any] = {}
         methods = ("raw", "p2p", *shm, "rpc")
@@ -588,8 +587,9 @@ def main(argv: list[str] | None = None) -> int:
         "--steps", type=int, default=4, help="timed steps per system and round (step time)"
     )
     parser.add_argument(
-        "--rounds", type=int, default=3, help="rounds of the step times, the order reversed in turn"
+        "--rounds", type=int, default=3, help="rounds of the step times, each in new processes"
     )
+    parser.add_argument("--steps-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(
         "--markdown", type=Path, default=None, help="page to write the tables in (its section)"
     )
@@ -602,6 +602,14 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     try:
         records = launch_workers("benchmarks.transports", argv, args.processes, 2)
+        if not args.bandwidth_only:  # the step times' later rounds, each in new processes
+            rounds = [records[0]["steps"]]
+            for _ in range(args.rounds - 1):
+                more = launch_workers(
+                    "benchmarks.transports", [*argv, "--steps-only"], args.processes, 2
+                )
+                rounds.append(more[0]["steps"])
+            records[0]["steps"] = merge_rounds(rounds)
     except RuntimeError as e:
         print(e, file=sys.stderr)
         return 1

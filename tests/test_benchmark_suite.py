@@ -257,3 +257,19 @@ def test_step_rows_compare_with_fairscale_overall_and_round_by_round() -> None:
     ]
     failed = step_rows({FAIRSCALE: {"error": "ImportError: no fairscale"}}, ideal=0.33)
     assert "did not run: ImportError: no fairscale" in failed[0]
+
+
+def test_merge_rounds_pools_the_steps_and_keeps_each_rounds_median() -> None:
+    from benchmarks.transports import FAIRSCALE, merge_rounds
+
+    rounds = [
+        {"a": {"times_s": [0.3, 0.5, 0.4]}, FAIRSCALE: {"error": "ImportError: none"}},
+        {"a": {"times_s": [0.2, 0.9]}, FAIRSCALE: {"error": "ImportError: none"}},
+    ]
+    merged = merge_rounds(rounds)
+    assert merged["a"] == {
+        "median_s": 0.4,
+        "min_s": 0.2,
+        "round_medians_s": [0.4, pytest.approx(0.55)],
+    }
+    assert merged[FAIRSCALE] == {"error": "ImportError: none"}
