@@ -431,9 +431,8 @@ class Runtime(Compute):
                 return
 
     def recv(self, work: Work, action: Action) -> None:
-        pending = work.pending.get(action)
         if work.unposted:
-            if isinstance(pending, _Ready) and self.transport.early_receives:
+            if isinstance(work.pending.get(action), _Ready) and self.transport.early_receives:
                 # The message is here already (a rank's first, taken before the step was
                 # planned): the rank does not block, so posting the whole step's receives
                 # now (tenths of a millisecond to milliseconds) would only delay the compute
