@@ -136,6 +136,45 @@ def _bandwidth(
     return seconds
 
 
+class _Hop:
+    """One small tensor's sends and receives between ranks 0 and 1 for the latency
+    measurements: over ``transport`` (asyncpipe's), or, where it is None (``raw``), the
+    process group's own send/recv, as asyncpipe's p2p calls them. Message ``n`` uses slot
+    ``n % SLOTS``, as a pipeline's steps do."""
+
+    def __init__(self, transport: Any, shape: tuple[int, ...], device: torch.device) -> None:
+        group = dist.group.WORLD
+        assert group is not None
+        self.transport, self.group, self.shape, self.device = transport, group, shape, device
+        self.tensor = torch.randn(*shape, device=device)
+
+    def post(self, src: int, tag: int, n: int) -> Any:
+        if self.transport is None:
+            buffer = torch.empty(*self.shape, device=self.device)
+            return self.group.recv([buffer], src, tag)
+        return self.transport.recv(src, tag, n % SLOTS)
+
+    def wait(self, receive: Any) -> None:
+        if self.transport is None:
+            receive.wait()
+        else:
+            receive.wait(120)
+
+    def send(self, dst: int, tag: int, n: int) -> None:
+        """Send message ``n`` and wait until it is taken."""
+        from asyncpipe.transport import Message
+
+        if self.transport is None:
+            self.group.send([self.tensor], dst, tag).wait()
+        else:
+            self.transport.send(dst, tag, Message(n % SLOTS, SLOTS, (self.tensor,)))
+            self.transport.settle(dst, tag, n % SLOTS, 120)
+
+    def flush(self) -> None:
+        if self.transport is not None:
+            self.transport.flush(120)
+
+
 def _round_trip(
     method: str,
     shape: tuple[int, ...],
@@ -147,54 +186,28 @@ def _round_trip(
     back (None on the other ranks): each message waits for the previous one, so this is the
     latency of a hop, as a pipeline's critical path pays it. Each side posts its next receive
     before it sends, as the runtime does; ``transports`` are those of :func:`_bandwidth`."""
-    from asyncpipe.transport import Message
-
     rank = dist.get_rank()
-    transport = transports[method]
-    tensor = torch.randn(*shape, device=device)
+    hop = _Hop(transports[method], shape, device)
     peer = 1 - rank
-    group = dist.group.WORLD
-
-    def post(n: int) -> Any:
-        if transport is None:  # the group's own calls, as asyncpipe's p2p makes them
-            assert group is not None
-            return group.recv([torch.empty(*shape, device=device)], peer, 10 + peer)
-        return transport.recv(peer, 10 + peer, n % SLOTS)
-
-    def wait(receive: Any) -> None:
-        if transport is None:
-            receive.wait()
-        else:
-            receive.wait(120)
-
-    def send(n: int) -> None:
-        if transport is None:
-            assert group is not None
-            group.send([tensor], peer, 10 + rank).wait()
-        else:
-            transport.send(peer, 10 + rank, Message(n % SLOTS, SLOTS, (tensor,)))
-            transport.settle(peer, 10 + rank, n % SLOTS, 120)
-
     dist.barrier()
     if rank > 1:
         dist.barrier()
         return None
-    receive = post(0)
+    receive = hop.post(peer, 10 + peer, 0)
     start = time.perf_counter()
     for n in range(trips):
         if rank == 0:
-            send(n)
-            wait(receive)
+            hop.send(peer, 10 + rank, n)
+            hop.wait(receive)
             if n + 1 < trips:
-                receive = post(n + 1)
+                receive = hop.post(peer, 10 + peer, n + 1)
         else:
-            wait(receive)
+            hop.wait(receive)
             if n + 1 < trips:
-                receive = post(n + 1)
-            send(n)
+                receive = hop.post(peer, 10 + peer, n + 1)
+            hop.send(peer, 10 + rank, n)
     seconds = time.perf_counter() - start
-    if transport is not None:
-        transport.flush(120)
+    hop.flush()
     dist.barrier()
     return seconds if rank == 0 else None
 
@@ -216,19 +229,8 @@ def _waiting_hop(
     (None on the other ranks than 1): the latency of a hop whose receiver had been waiting, as
     a pipeline's critical path pays it, sender and receiver both coming out of a sleep. Both
     ranks read the same monotonic clock of this host; rank 0 sends its times at the end."""
-    from asyncpipe.transport import Message
-
     rank = dist.get_rank()
-    transport = transports[method]
-    tensor = torch.randn(*shape, device=device)
-    group = dist.group.WORLD
-    assert group is not None
-
-    def post(n: int) -> Any:
-        if transport is None:
-            return group.recv([torch.empty(*shape, device=device)], 0, 20)
-        return transport.recv(0, 20, n % SLOTS)
-
+    hop = _Hop(transports[method], shape, device)
     dist.barrier()
     if rank > 1:
         dist.barrier()
@@ -238,23 +240,14 @@ def _waiting_hop(
         for n in range(hops):
             time.sleep(IDLE_S)
             began.append(time.perf_counter())
-            if transport is None:
-                group.send([tensor], 1, 20).wait()
-            else:
-                transport.send(1, 20, Message(n % SLOTS, SLOTS, (tensor,)))
-                transport.settle(1, 20, n % SLOTS, 120)
-        if transport is not None:
-            transport.flush(120)
+            hop.send(1, 20, n)
+        hop.flush()
         dist.send(torch.tensor(began, dtype=torch.float64, device=device), 1)
         dist.barrier()
         return None
     arrived = []
     for n in range(hops):
-        receive = post(n)
-        if transport is None:
-            receive.wait()
-        else:
-            receive.wait(120)
+        hop.wait(hop.post(0, 20, n))
         synchronize(device)  # the data is here, not only ordered on a stream (NCCL)
         arrived.append(time.perf_counter())
     stamps = torch.empty(hops, dtype=torch.float64, device=device)  # rank 0's send times
