@@ -227,7 +227,7 @@ def test_schedule_targets_are_judged_per_transport() -> None:
 
 
 def test_step_rows_compare_with_fairscale_overall_and_round_by_round() -> None:
-    from benchmarks.transports import FAIRSCALE, step_rows
+    from benchmarks.transport_steps import FAIRSCALE, step_rows
 
     steps = {
         "asyncpipe gpipe over p2p": {
@@ -260,7 +260,7 @@ def test_step_rows_compare_with_fairscale_overall_and_round_by_round() -> None:
 
 
 def test_merge_rounds_pools_the_steps_and_keeps_each_rounds_median() -> None:
-    from benchmarks.transports import FAIRSCALE, merge_rounds
+    from benchmarks.transport_steps import FAIRSCALE, merge_rounds
 
     rounds = [
         {"a": {"times_s": [0.3, 0.5, 0.4]}, FAIRSCALE: {"error": "ImportError: none"}},
