@@ -145,3 +145,65 @@ def driver_dies(rank: int, world: int) -> Any:
     except RuntimeError as e:
         return str(e), time.monotonic() - started
     return "served", time.monotonic() - started
+
+
+def outbox(rank: int, world: int, messages: int) -> Any:
+    """Rank 0 sends ``messages`` small messages to rank 1 back to back over the RPC transport;
+    rank 1 takes them in order. Rank 0 returns how many remote calls carried them."""
+    import torch.distributed.rpc as rpc
+
+    from asyncpipe.transport import Message, RPCTransport
+
+    asyncpipe.init(rpc=True)
+    try:
+        transport = RPCTransport(name="outbox")
+        if rank == 0:
+            calls = []
+            real = rpc.rpc_async
+
+            def counting(*args: Any, **kwargs: Any) -> Any:
+                calls.append(len(kwargs["args"][2]))  # messages in this call
+                return real(*args, **kwargs)
+
+            rpc.rpc_async = counting
+            try:
+                for n in range(messages):
+                    tensor = torch.full((4,), float(n), requires_grad=n % 2 == 1)
+                    error = "stage 0 failed" if n == messages - 1 else None
+                    transport.send(1, n % 3, Message(n, messages, (tensor, None), error))
+                transport.flush(60)
+            finally:
+                rpc.rpc_async = real
+            return calls
+        got = []
+        pending = [transport.recv(0, n % 3) for n in range(messages)]
+        for n, receive in enumerate(pending):
+            message = receive.wait(60)
+            tensor = message.tensors[0]
+            assert tensor is not None and message.tensors[1] is None
+            assert float(tensor.detach()[0]) == n and tensor.requires_grad == (n % 2 == 1), n
+            assert message.microbatch == n and message.microbatches == messages
+            got.append(message.error)
+        return got
+    finally:
+        asyncpipe.shutdown()
+
+
+def outbox_peer_dies(rank: int, world: int) -> Any:
+    """Rank 1 dies with messages on their way to it: rank 0's flush must say so, not hang."""
+    from asyncpipe.transport import Message, RPCTransport, TransportTimeout
+
+    asyncpipe.init(rpc=True)
+    transport = RPCTransport(name="outbox")
+    if rank == 1:
+        transport.recv(0, 0).wait(60)
+        os._exit(3)
+    started = time.monotonic()
+    try:
+        for n in range(2000):
+            transport.send(1, 0, Message(n, 1, (torch.zeros(256),)))
+            time.sleep(0.001)
+        transport.flush(30)
+    except (TransportTimeout, RuntimeError) as e:
+        return type(e).__name__, str(e), time.monotonic() - started
+    return "delivered", "", time.monotonic() - started

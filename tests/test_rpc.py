@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 from gloo_workers import check_errors
-from rpc_workers import driver, driver_dies, driver_elsewhere, rpc_skips, rpc_transparency
+from rpc_workers import (
+    driver,
+    driver_dies,
+    driver_elsewhere,
+    outbox,
+    outbox_peer_dies,
+    rpc_skips,
+    rpc_transparency,
+)
 from spawn import run_ranks, run_ranks_raw
 
 pytestmark = pytest.mark.slow
@@ -55,4 +63,22 @@ def test_workers_stop_serving_when_the_driver_dies() -> None:
     status, (message, seconds) = results[1]
     assert status == "ok"
     assert "the driver ('worker0') went away without shutting down" in message
+    assert seconds < 60
+
+
+def test_messages_sent_faster_than_acknowledged_share_remote_calls() -> None:
+    results = run_ranks(outbox, 2, 300, timeout=120)
+    calls = results[0]
+    # every message arrived once, in order, with its flags and error text (checked on rank 1)
+    assert results[1] == [None] * 299 + ["stage 0 failed"]
+    assert sum(calls) == 300
+    # the first calls go at once, one message each; later ones carry what waited meanwhile
+    assert calls[:4] == [1, 1, 1, 1] and len(calls) < 300 and max(calls) <= 64, calls
+
+
+def test_a_peer_that_dies_with_messages_on_their_way_fails_the_flush() -> None:
+    results = run_ranks_raw(outbox_peer_dies, 2, timeout=120, may_die=True)
+    status, (kind, text, seconds) = results[0]
+    assert status == "ok" and kind == "TransportTimeout", (kind, text)
+    assert "could not deliver" in text and "rank 1" in text, text
     assert seconds < 60

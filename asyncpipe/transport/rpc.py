@@ -7,6 +7,15 @@ ahead of it, so any order of sends and receives works::
     rank 0  send(1, ch, m) ──rpc_async(deliver)──> rank 1 mailbox[(0, ch)] ──> recv(0, ch).wait()
             flush(): wait until every delivery was acknowledged
 
+A remote call costs far more than the bytes of a small message (a request, a reply, the
+receiver's thread pool), so calls to a peer are not stacked without limit: with
+``_IN_FLIGHT`` calls to it unacknowledged, later messages to it wait in its outbox, and the
+acknowledgement of one of those calls sends the whole outbox as one call::
+
+    send m1..m4 ──4 calls──> (none acknowledged yet)     send m5..m9 ──> outbox [m5 .. m9]
+    m1 acknowledged ──> one call [m5 .. m9]              (a pipeline, which sends one message
+                                                          per action, rarely has an outbox)
+
 With CUDA tensors, :func:`asyncpipe.init` configures TensorPipe's device maps so tensors go
 from device to device without a trip through host memory.
 """
@@ -25,6 +34,19 @@ from torch import Tensor
 from .base import Message, PendingRecv, Transport, TransportTimeout
 
 __all__: list[str] = []
+
+
+_IN_FLIGHT = 4
+"""Remote calls to one peer that may be unacknowledged before its later messages wait in its
+outbox, to go together in one call."""
+
+_BATCH = 64
+"""Messages of one remote call at most (the rest of an outbox waits for the next
+acknowledgement)."""
+
+_Item = tuple[int, int, int, int, list[Tensor | None], list[bool], str | None]
+"""One message on the wire: channel, sequence, micro-batch, micro-batches, tensors, their
+requires_grad flags, error text."""
 
 
 class _Mailbox:
@@ -73,27 +95,27 @@ class _Post:
             cls._boxes.pop(name, None)
 
 
-def _deliver(
-    name: str,
-    src: int,
-    channel: int,
-    sequence: int,
-    microbatch: int,
-    microbatches: int,
-    tensors: list[Tensor | None],
-    grads: list[bool],
-    error: str | None,
-) -> None:
-    """Runs on the receiver: put one message into its mailbox."""
-    for device in {t.device for t in tensors if t is not None and t.is_cuda}:
-        # TensorPipe makes CUDA tensors ready on this RPC thread's current stream only; the
-        # pipeline reads them on its own stream, so wait until the data is there.
-        torch.cuda.current_stream(device).synchronize()
-    for tensor, flag in zip(tensors, grads):
-        if tensor is not None and flag:
-            tensor.requires_grad_(True)
-    message = Message(microbatch, microbatches, tuple(tensors), error)
-    _Post.box(name).put(src, channel, sequence, message)
+def _deliver(name: str, src: int, items: list[_Item]) -> None:
+    """Runs on the receiver: put the messages of one call into its mailbox."""
+    box = _Post.box(name)
+    for channel, sequence, microbatch, microbatches, tensors, grads, error in items:
+        for device in {t.device for t in tensors if t is not None and t.is_cuda}:
+            # TensorPipe makes CUDA tensors ready on this RPC thread's current stream only;
+            # the pipeline reads them on its own stream, so wait until the data is there.
+            torch.cuda.current_stream(device).synchronize()
+        for tensor, flag in zip(tensors, grads):
+            if tensor is not None and flag:
+                tensor.requires_grad_(True)
+        message = Message(microbatch, microbatches, tuple(tensors), error)
+        box.put(src, channel, sequence, message)
+
+
+class _Outbox:
+    """The calls to one peer not yet acknowledged, and the messages waiting for one of them."""
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+        self.queued: list[_Item] = []
 
 
 class _MailboxRecv(PendingRecv):
@@ -145,28 +167,68 @@ class RPCTransport(Transport):
         self.rank = next(r for r, n in names.items() if n == info.name)
         self.name = name
         self._box = _Post.box(name)
-        self._futures: list[tuple[int, Any]] = []
         self._sent: dict[tuple[int, int], int] = {}
         self._posted: dict[tuple[int, int], int] = {}
+        # Sending side, shared with the acknowledgements (they run on RPC threads).
+        self._lock = threading.Condition()
+        self._outboxes: dict[int, _Outbox] = {}
+        self._unacknowledged = 0  # messages sent or waiting in an outbox
+        self._failed: list[tuple[int, BaseException]] = []
 
     def send(self, dst: int, channel: int, message: Message) -> None:
         tensors = [None if t is None else t.detach() for t in message.tensors]
         grads = [t is not None and t.requires_grad for t in message.tensors]
         sequence = self._sent.get((dst, channel), 0)
         self._sent[(dst, channel)] = sequence + 1
-        args = (
-            self.name,
-            self.rank,
-            channel,
-            sequence,
-            message.microbatch,
-            message.microbatches,
-            tensors,
-            grads,
-            message.error,
-        )
-        future = rpc.rpc_async(self.worker_map[dst], _deliver, args=args)
-        self._futures.append((dst, future))
+        item = (channel, sequence, message.microbatch, message.microbatches, tensors, grads)
+        with self._lock:
+            self._unacknowledged += 1
+            box = self._outboxes.setdefault(dst, _Outbox())
+            if box.in_flight >= _IN_FLIGHT:
+                box.queued.append((*item, message.error))
+                return
+            box.in_flight += 1
+        self._call(dst, [(*item, message.error)], caller=True)
+
+    def _call(self, dst: int, items: list[_Item], caller: bool = False) -> None:
+        """One remote call carrying ``items`` to ``dst``, counted in its outbox's calls. The
+        ``caller`` (a send) gets an error of the call itself (e.g. RPC shut down); on an RPC
+        thread (an acknowledgement sending an outbox) the next flush reports it."""
+        try:
+            future = rpc.rpc_async(
+                self.worker_map[dst], _deliver, args=(self.name, self.rank, items)
+            )
+        except Exception as e:
+            self._acknowledged(dst, len(items), None, None if caller else e)
+            if caller:
+                raise
+            return
+        future.add_done_callback(lambda done: self._acknowledged(dst, len(items), done))
+
+    def _acknowledged(
+        self, dst: int, count: int, future: Any, error: BaseException | None = None
+    ) -> None:
+        """A call to ``dst`` ended: count its messages, and send what waits in the outbox."""
+        if future is not None:
+            try:
+                future.wait()
+            except Exception as e:
+                error = e
+        batch: list[_Item] = []
+        with self._lock:
+            self._unacknowledged -= count
+            box = self._outboxes[dst]
+            box.in_flight -= 1
+            if error is not None:  # the pipeline fails: what waits is dropped, flush says why
+                self._failed.append((dst, error))
+                self._unacknowledged -= len(box.queued)
+                box.queued = []
+            elif box.queued:
+                batch, box.queued = box.queued[:_BATCH], box.queued[_BATCH:]
+                box.in_flight += 1
+            self._lock.notify_all()
+        if batch:
+            self._call(dst, batch)
 
     def recv(self, src: int, channel: int, slot: int = 0) -> PendingRecv:
         sequence = self._posted.get((src, channel), 0)
@@ -174,25 +236,23 @@ class RPCTransport(Transport):
         return _MailboxRecv(self, src, channel, sequence)
 
     def flush(self, timeout: float) -> None:
-        futures, self._futures = self._futures, []
-        if not futures:
-            return
-        delivered = threading.Event()
-        torch.futures.collect_all([f for _, f in futures]).then(lambda _: delivered.set())
-        if not delivered.wait(timeout):
-            late = sorted({dst for dst, f in futures if not f.done()})
+        with self._lock:
+            done = self._lock.wait_for(
+                lambda: self._unacknowledged == 0 or bool(self._failed), timeout
+            )
+            failed, self._failed = self._failed, []
+            late = sorted(d for d, box in self._outboxes.items() if box.in_flight or box.queued)
+        if failed:
+            dst, e = failed[0]
+            raise TransportTimeout(
+                f"rank {self.rank} could not deliver a message to rank {dst} (RPC worker "
+                f"{self.worker_map[dst]!r}): {str(e).splitlines()[0] if str(e) else e!r}"
+            ) from e
+        if not done:
             raise TransportTimeout(
                 f"rank {self.rank} could not deliver its messages to ranks {late} (RPC workers "
                 f"{[self.worker_map[d] for d in late]}) within {timeout:.1f} s"
             )
-        for dst, future in futures:
-            try:
-                future.wait()
-            except Exception as e:
-                raise TransportTimeout(
-                    f"rank {self.rank} could not deliver a message to rank {dst} (RPC worker "
-                    f"{self.worker_map[dst]!r}): {str(e).splitlines()[0] if str(e) else e!r}"
-                ) from e
 
     def close(self) -> None:
         _Post.remove(self.name)
