@@ -251,8 +251,8 @@ def check_options(
         )
     elif data_parallel_size > 1 and not isinstance(transport, str):
         problems.append(
-            "data_parallel_size > 1 builds its own process groups; pass transport='p2p' or "
-            "'rpc', not a Transport object"
+            "data_parallel_size > 1 builds its own process groups; pass transport='p2p', "
+            "'shm' or 'rpc', not a Transport object"
         )
     if not (isinstance(loss_scale, (int, float)) and loss_scale > 0):
         problems.append(f"loss_scale must be a positive number (got {loss_scale!r})")

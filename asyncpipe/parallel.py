@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from .group import GroupRef
 from .transport import P2PTransport, RPCTransport, ShmTransport, Transport
+from .transport.rpc import worker_names
 
 __all__: list[str] = []
 
@@ -155,9 +156,10 @@ def connect(
     if transport == "rpc":
         if pipeline_group is None:
             return RPCTransport(), 0, None
-        names = layout.pipeline_ranks(data_parallel_rank)
+        ranks_of = layout.pipeline_ranks(data_parallel_rank)
+        names = worker_names()
         rpc = RPCTransport(
-            {s: f"worker{r}" for s, r in enumerate(names)},
+            {s: names.get(r, f"worker{r}") for s, r in enumerate(ranks_of)},
             name=f"pipe-replica{data_parallel_rank}",
         )
         return rpc, data_parallel_rank, data_parallel_group

@@ -138,7 +138,9 @@ class AsyncPipe(DelayedUpdates, ManualBackward, nn.Module):
     ) -> None:
         super().__init__()
         if isinstance(balance, str):
-            balance = auto_balance(balance, module, sample, transport, virtual_stages)
+            balance = auto_balance(
+                balance, module, sample, transport, virtual_stages, data_parallel_size
+            )
         layers = check_arguments(
             module, balance, chunks, checkpoint, schedule, virtual_stages, lookahead
         )

@@ -124,8 +124,8 @@ class SharedWeights:
                 if global_rank is None:
                     raise ValueError(
                         f"shared weights on several stages ({list(group)} on stages "
-                        f"{list(owners)}) need the p2p transport (torch.distributed); pass "
-                        f"transport='p2p'"
+                        f"{list(owners)}) are kept equal over torch.distributed: pass "
+                        f"transport='p2p' or 'shm' (not 'rpc' or an in-process transport)"
                     )
                 process_group = dist.new_group(
                     [global_rank[s] for s in owners], timeout=timedelta(seconds=timeout)

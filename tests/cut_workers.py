@@ -130,3 +130,16 @@ def auto(rank: int, world: int) -> Any:
     pipe = AsyncPipe(seq, "auto", chunks=4, sample=x[:2], timeout=30)
     loss = pipe.step(x if pipe.is_first_stage else None, y if pipe.is_last_stage else None, mse)
     return pipe.balance, abs(loss - want_loss), _worst(pipe, many, grads)
+
+
+def auto_replicas(rank: int, world: int) -> Any:
+    """balance='auto' with data-parallel replicas: one entry per pipeline rank, not per
+    process; every replica gets the same batch, so averaged gradients equal the plain ones."""
+    torch.manual_seed(0)
+    many = ManyCuts()
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    seq = sequentialize(many, x[:2])
+    want_loss, grads = reference(many, x, y, 4, mse)
+    pipe = AsyncPipe(seq, "auto", chunks=4, sample=x[:2], data_parallel_size=2, timeout=30)
+    loss = pipe.step(x if pipe.is_first_stage else None, y if pipe.is_last_stage else None, mse)
+    return pipe.balance, abs(loss - want_loss), _worst(pipe, many, grads)

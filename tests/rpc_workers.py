@@ -207,3 +207,27 @@ def outbox_peer_dies(rank: int, world: int) -> Any:
     except (TransportTimeout, RuntimeError) as e:
         return type(e).__name__, str(e), time.monotonic() - started
     return "delivered", "", time.monotonic() - started
+
+
+def named_workers(rank: int, world: int) -> Any:
+    """RPC workers named by asyncpipe.init(worker_map=...): transport='rpc', RemotePipe and
+    serve() find the names without being told them again."""
+    asyncpipe.init(rpc=True, worker_map={0: "trainer", 1: "stage1"})
+    model = mlp(2, seed=5)
+    torch.manual_seed(6)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    want, _ = reference(model, x, y, 2, mse)
+    pipe = AsyncPipe(model, [1, 1], chunks=2, transport="rpc", timeout=30)
+    pipeline_error = abs(pipe.step(x, y, mse) - want)
+    if rank != 0:
+        asyncpipe.rpc.serve()
+        return pipeline_error, None, None
+    try:
+        asyncpipe.rpc.RemotePipe(model, [1, 1], chunks=2, schedule="2bw")
+        refusal = "built"
+    except ValueError as e:
+        refusal = str(e)
+    driver = asyncpipe.rpc.RemotePipe(model, [1, 1], chunks=2, timeout=30)
+    driver_error = abs(driver.step(x, y, mse) - want)
+    driver.shutdown()
+    return pipeline_error, driver_error, refusal

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from cut_workers import auto
+from cut_workers import auto, auto_replicas
 from spawn import run_ranks
 from torch import Tensor, nn
 
@@ -194,6 +194,14 @@ def test_plan_arguments_are_checked_at_once() -> None:
 def test_auto_balance_gives_every_rank_the_same_answer() -> None:
     results = run_ranks(auto, 2, timeout=120)
     assert results[0][0] == results[1][0] and sum(results[0][0]) == 8
+    for _, loss_error, grad_error in results:
+        assert loss_error < 1e-5 and grad_error < 1e-5
+
+
+@pytest.mark.slow
+def test_auto_balance_with_replicas_has_one_entry_per_pipeline_rank() -> None:
+    results = run_ranks(auto_replicas, 4, timeout=180)
+    assert all(r[0] == results[0][0] for r in results) and len(results[0][0]) == 2
     for _, loss_error, grad_error in results:
         assert loss_error < 1e-5 and grad_error < 1e-5
 

@@ -8,6 +8,7 @@ from rpc_workers import (
     driver,
     driver_dies,
     driver_elsewhere,
+    named_workers,
     outbox,
     outbox_peer_dies,
     rpc_skips,
@@ -82,3 +83,10 @@ def test_a_peer_that_dies_with_messages_on_their_way_fails_the_flush() -> None:
     assert status == "ok" and kind == "TransportTimeout", (kind, text)
     assert "could not deliver" in text and "rank 1" in text, text
     assert seconds < 60
+
+
+def test_worker_names_given_to_init_reach_the_transport_driver_and_workers() -> None:
+    results = run_ranks(named_workers, 2, timeout=120)
+    assert results[0][0] < 1e-6 and results[1][0] < 1e-6 and results[0][1] < 1e-6, results
+    # and the driver refuses 2BW before building anything
+    assert "RemotePipe does not run schedule='2bw'" in results[0][2]

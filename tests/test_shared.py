@@ -50,7 +50,7 @@ def test_unknown_names_and_shapes_are_refused_at_once() -> None:
 
 def test_shared_weights_across_stages_need_the_p2p_transport() -> None:
     status, error = _build([("tok.weight", "head.weight")])[0]
-    assert status == "error" and "need the p2p transport" in str(error)
+    assert status == "error" and "pass transport='p2p' or 'shm'" in str(error)
 
 
 def test_a_named_object_counts_at_every_position() -> None:

@@ -17,8 +17,11 @@ def auto_balance(
     sample: Tensor | tuple[Tensor, ...] | None,
     transport: object,
     virtual_stages: int,
+    data_parallel_size: int = 1,
 ) -> list[int]:
-    """The balance ``by_time`` finds on rank 0 of the default process group, on every rank.
+    """The balance ``by_time`` finds on rank 0 of the default process group, on every rank:
+    one entry per pipeline rank (the world's ranks over ``data_parallel_size`` replicas) times
+    ``virtual_stages``.
 
     Raises ValueError (listing every problem) when it cannot: another string than "auto", no
     sample, LazyModules, or no torch.distributed to share one answer.
@@ -37,14 +40,17 @@ def auto_balance(
         problems.append("balance='auto' needs an nn.Sequential or a list of layers")
     if not dist.is_initialized() or (isinstance(transport, Transport) and not _p2p(transport)):
         problems.append(
-            "balance='auto' shares rank 0's answer over torch.distributed with the p2p "
-            "transport; with another transport call asyncpipe.balance.by_time once and pass "
-            "the list to every rank"
+            "balance='auto' shares rank 0's answer over torch.distributed; with a transport "
+            "that is not built on the process group (in-process), call "
+            "asyncpipe.balance.by_time once and pass the list to every rank"
         )
     if problems:
         raise ValueError("; ".join(problems))
     assert sample is not None
-    world = transport.world_size if isinstance(transport, Transport) else dist.get_world_size()
+    if isinstance(transport, Transport):
+        world = transport.world_size
+    else:
+        world = max(dist.get_world_size() // max(int(data_parallel_size), 1), 1)
     answer: list[object] = [None]
     if dist.get_rank() == 0:
         from . import by_time

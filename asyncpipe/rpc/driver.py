@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from ..failure import StageFailure
 from ..lazy import LazyModule
+from ..transport.rpc import worker_names
 from . import stage as remote
 
 __all__: list[str] = []
@@ -33,15 +34,18 @@ class RemotePipe:
             worker, so a LazyModule's function must be picklable: a module-level function or a
             ``functools.partial``, not a lambda).
         balance: layers per stage, one entry per process.
-        worker_map: the RPC worker names given to ``asyncpipe.init`` (default
+        worker_map: the RPC worker name of each rank (default: the names RPC was started
+            with, ``asyncpipe.init(rpc=True, worker_map=...)``'s, by default
             ``"worker{rank}"``).
         optimizer: a picklable factory ``params -> Optimizer`` (e.g.
             ``functools.partial(torch.optim.SGD, lr=0.1)``) built on every stage.
         **kwargs: what ``AsyncPipe`` takes besides ``transport`` (chunks, checkpoint,
-            schedule, ...).
+            schedule, ...), but ``schedule="2bw"``, whose updates need each stage's
+            optimizer inside the step (run ``AsyncPipe`` on every rank for it).
 
     Raises:
         RuntimeError: on any rank but 0, or when RPC is not running.
+        ValueError: ``transport`` or ``schedule="2bw"`` given.
 
     Example:
         >>> asyncpipe.init(rpc=True)                                   # doctest: +SKIP
@@ -80,8 +84,15 @@ class RemotePipe:
             )
         if "transport" in kwargs:
             raise ValueError("RemotePipe always uses the rpc transport; drop transport=")
+        if kwargs.get("schedule") == "2bw":
+            raise ValueError(
+                "RemotePipe does not run schedule='2bw' (its updates are applied inside each "
+                "step, with the stage's optimizer); run AsyncPipe(..., schedule='2bw') on every "
+                "rank instead, or pick another schedule"
+            )
         world = dist.get_world_size()
-        self.workers = {r: (worker_map or {}).get(r, f"worker{r}") for r in range(world)}
+        known = worker_names() if worker_map is None else worker_map
+        self.workers = {r: known.get(r, f"worker{r}") for r in range(world)}
         if self.workers[0] != me.name:
             raise ValueError(
                 f"worker_map names rank 0 {self.workers[0]!r} but this process is {me.name!r}; "

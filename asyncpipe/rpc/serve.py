@@ -5,12 +5,13 @@ from __future__ import annotations
 import torch.distributed.rpc as torch_rpc
 
 from ..group import shutdown
+from ..transport.rpc import worker_names
 from .stage import Serving, alive
 
 __all__: list[str] = []
 
 
-def serve(driver: str = "worker0", check_every: float = 2.0, timeout: float = 10.0) -> None:
+def serve(driver: str | None = None, check_every: float = 2.0, timeout: float = 10.0) -> None:
     """Serve the driver's calls until it shuts down, then end RPC and the process group.
 
     Every ``check_every`` seconds the worker asks the driver whether it is still there; if it
@@ -18,7 +19,9 @@ def serve(driver: str = "worker0", check_every: float = 2.0, timeout: float = 10
     forever.
 
     Args:
-        driver: the RPC worker name of the controller.
+        driver: the RPC worker name of the controller (default: RPC worker 0's, the name
+            ``asyncpipe.init(rpc=True, worker_map=...)`` gave rank 0, ``"worker0"`` by
+            default).
         check_every: seconds between checks that the driver is alive.
         timeout: seconds one check may take.
 
@@ -36,6 +39,8 @@ def serve(driver: str = "worker0", check_every: float = 2.0, timeout: float = 10
         raise RuntimeError(
             "serve() needs torch.distributed.rpc: call asyncpipe.init(rpc=True) first"
         ) from e
+    if driver is None:
+        driver = worker_names()[0]
     if me.name == driver:
         raise RuntimeError(
             f"serve() runs on the workers; this process is the driver ({driver!r}): build an "

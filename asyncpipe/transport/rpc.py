@@ -110,6 +110,29 @@ def _deliver(name: str, src: int, items: list[_Item]) -> None:
         box.put(src, channel, sequence, message)
 
 
+def worker_names() -> dict[int, str]:
+    """The RPC worker name of each worker id (the rank :func:`asyncpipe.init` gave it), as the
+    running RPC agent knows them: the names given to ``asyncpipe.init(worker_map=...)``.
+
+    Raises:
+        RuntimeError: if RPC is not running.
+
+    Example:
+        >>> asyncpipe.init(rpc=True, worker_map={0: "trainer"})   # doctest: +SKIP
+        >>> worker_names()                                        # doctest: +SKIP
+        {0: 'trainer', 1: 'worker1'}
+    """
+    me = rpc.get_worker_info()  # raises if RPC is not set up
+    try:  # torch has no public list of the workers; its agent has one
+        from torch.distributed.rpc import api
+
+        infos = api._get_current_rpc_agent().get_worker_infos()  # type: ignore[attr-defined]
+        return {int(i.id): str(i.name) for i in sorted(infos, key=lambda i: int(i.id))}
+    except (ImportError, AttributeError, RuntimeError):  # the default names, then
+        world = dist.get_world_size() if dist.is_initialized() else int(me.id) + 1
+        return {r: f"worker{r}" for r in range(world)}
+
+
 class _Outbox:
     """The calls to one peer not yet acknowledged, and the messages waiting for one of them."""
 
@@ -140,8 +163,9 @@ class RPCTransport(Transport):
     yourself with the same worker names). ``AsyncPipe(..., transport="rpc")`` builds one.
 
     Args:
-        worker_map: the RPC worker name of each rank (default ``"worker{rank}"``, the names
-            :func:`asyncpipe.init` gives).
+        worker_map: the RPC worker name of each pipeline rank (default: the names of RPC
+            workers 0..N-1, as ``asyncpipe.init(rpc=True, worker_map=...)`` gave them, by
+            default ``"worker{rank}"``).
         name: keeps the messages of several pipelines in one job apart (one name per pipeline,
             the same on every rank).
 
@@ -154,8 +178,10 @@ class RPCTransport(Transport):
     def __init__(self, worker_map: Mapping[int, str] | None = None, name: str = "pipe") -> None:
         info = rpc.get_worker_info()  # raises if RPC is not set up
         if worker_map is None:
-            world = dist.get_world_size() if dist.is_initialized() else int(info.id) + 1
-            worker_map = {r: f"worker{r}" for r in range(world)}
+            worker_map = worker_names()
+            if dist.is_initialized():  # the pipeline is the process group's ranks
+                world = range(dist.get_world_size())
+                worker_map = {r: worker_map.get(r, f"worker{r}") for r in world}
         names = dict(worker_map)
         if sorted(names) != list(range(len(names))) or info.name not in names.values():
             raise ValueError(
