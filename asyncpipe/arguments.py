@@ -189,7 +189,8 @@ def plan_factory(
             if microbatches != planned:
                 raise ValueError(
                     f"the schedule plan is for {planned} micro-batches but this batch splits into "
-                    f"{microbatches}; pass chunks={planned} and at least {planned} rows"
+                    f"{microbatches} (torch.chunk into chunks={planned}); pass chunks={planned} "
+                    f"and batches whose rows are a multiple of {planned}"
                 )
             return plan
 

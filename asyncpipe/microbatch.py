@@ -34,12 +34,16 @@ def as_tensors(value: object, what: str) -> Tensors:
 def scatter(batch: Tensors, chunks: int, what: str = "input") -> list[Tensors]:
     """Split every tensor of ``batch`` into at most ``chunks`` micro-batches along dim 0.
 
-    Sizes follow ``torch.chunk``: all but the last are ``ceil(n / chunks)``; a batch of fewer
-    than ``chunks`` rows gives fewer micro-batches.
+    Sizes follow ``torch.chunk``: all but the last are ``ceil(n / chunks)`` rows, so there are
+    ``ceil(n / ceil(n / chunks))`` micro-batches: ``chunks`` when ``n`` is a multiple of
+    ``chunks``, but fewer for some other sizes (6 rows into 4 gives 3 of 2 rows) and for
+    fewer than ``chunks`` rows.
 
     Example:
         >>> [t[0].shape[0] for t in scatter((torch.zeros(10, 3),), 4)]
         [3, 3, 3, 1]
+        >>> [t[0].shape[0] for t in scatter((torch.zeros(6, 3),), 4)]
+        [2, 2, 2]
     """
     sizes = {t.shape[0] if t.dim() > 0 else -1 for t in batch}
     if -1 in sizes:

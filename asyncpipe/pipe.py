@@ -54,7 +54,8 @@ class AsyncPipe(DelayedUpdates, ManualBackward, nn.Module):
         balance: layers per stage, counting positions in ``module`` (a reused layer counts at
             each position); one entry per pipeline rank. ``"auto"``: rank 0 finds it with
             :func:`asyncpipe.balance.by_time` on ``sample`` and every rank takes its answer.
-        chunks: micro-batches per mini-batch (fewer if the batch has fewer rows).
+        chunks: micro-batches per mini-batch, split with ``torch.chunk`` (fewer when the
+            batch's rows are not a multiple of ``chunks``: 6 rows at ``chunks=4`` give 3).
         checkpoint: ``"always"``, ``"except_last"`` (default) or ``"never"``: which
             micro-batches recompute their activations in backward instead of keeping them.
         schedule: ``"gpipe"`` (fill-drain, the default), ``"1f1b"``, ``"interleaved"`` (with

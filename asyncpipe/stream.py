@@ -115,8 +115,8 @@ class Stream:
                 raise ValueError(
                     f"schedule '2bw' needs every mini-batch to split into chunks="
                     f"{self.microbatches} micro-batches (this one split into "
-                    f"{work.microbatches}); pass batches of at least {self.microbatches} rows, "
-                    f"the same on every step"
+                    f"{work.microbatches} with torch.chunk); pass batches whose rows are a "
+                    f"multiple of {self.microbatches}"
                 )
             posted = self._post_news()
         self.optimizer, self.max_norm = optimizer, max_norm

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow
 @pytest.mark.parametrize(
     "schedule,transport",
     [("gpipe", "p2p"), ("1f1b", "p2p"), ("zero_bubble", "p2p"), ("interleaved", "p2p"),
-     ("1f1b", "rpc")],
+     ("1f1b", "rpc"), ("zero_bubble", "shm")],
 )  # fmt: skip
 def test_two_stages_by_two_replicas_match_the_plain_model(schedule: str, transport: str) -> None:
     results = run_ranks(two_by_two, 4, schedule, transport, timeout=180)

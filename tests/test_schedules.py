@@ -90,6 +90,14 @@ def test_custom_plan_runs_and_must_match_the_batch() -> None:
     assert all(isinstance(e, (ValueError, StageFailure)) for _, e in results), results
     assert "plan is for 3 micro-batches but this batch splits into 4" in str(results[0][1])
 
+    def uneven(rank: int, transport: Transport) -> float:  # 4 rows into 3: torch.chunk gives 2
+        pipe = AsyncPipe(model, [2, 2], chunks=3, schedule=plan, transport=transport, timeout=10)
+        return pipe.step(x[:4], y[:4], mse)
+
+    results = run_threads(uneven, 2)
+    assert "splits into 2 (torch.chunk into chunks=3)" in str(results[0][1]), results
+    assert "rows are a multiple of 3" in str(results[0][1])
+
 
 def test_invalid_custom_plan_fails_in_the_constructor() -> None:
     plan = {
