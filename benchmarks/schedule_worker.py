@@ -19,7 +19,7 @@ from torch import nn
 
 from .gpu import Placement, placement, synchronize
 from .peers import FAIRSCALE, fairscale_asyncpipe_step, fairscale_pipe_step
-from .worker import StepFn, _breakdown, _loss, write_record
+from .worker import StepFn, _loss, step_record, write_record
 from .workload import BUSY, RSS, build_model, make_batch
 
 __all__ = [
@@ -122,18 +122,7 @@ def _asyncpipe_step(
 
     def step() -> dict[str, Any]:
         pipe.step(x, y, _loss)
-        last = pipe.last_step
-        if last is None:
-            raise RuntimeError("AsyncPipe.step() left no last_step report")
-        events = [(str(a), float(b), float(e)) for a, b, e in last.events]
-        return {
-            "lib_seconds": float(last.seconds),
-            "lib_idle": float(last.idle_fraction),
-            "peak_activations": int(last.peak_activations),
-            **_breakdown(events, last.seconds),
-            "events": events,
-            "events_start": float(last.start),
-        }
+        return step_record(pipe)
 
     return step
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from .workload import BUSY, build_model, make_batch, stage_module
 
-__all__ = ["SYSTEMS", "main"]
+__all__ = ["SYSTEMS", "main", "step_record"]
 
 SYSTEMS = ("asyncpipe", "torch-gpipe", "torch-1f1b")
 """What a worker can run: the library, and torch.distributed.pipelining's two schedules."""
@@ -60,6 +60,24 @@ def _breakdown(events: list[tuple[str, float, float]], seconds: float) -> dict[s
     }
 
 
+def step_record(pipe: Any) -> dict[str, Any]:
+    """What a benchmark keeps of an ``AsyncPipe``'s last step: its time, idle fraction, busy
+    time, peak activations, the per-kind breakdown of its actions and the actions' events."""
+    last = pipe.last_step
+    if last is None:
+        raise RuntimeError("AsyncPipe.step() left no last_step report")
+    events = [(str(a), float(b), float(e)) for a, b, e in last.events]
+    return {
+        "lib_seconds": float(last.seconds),
+        "lib_busy": float(last.busy_seconds),
+        "lib_idle": float(last.idle_fraction),
+        "peak_activations": int(last.peak_activations),
+        **_breakdown(events, last.seconds),
+        "events": events,
+        "events_start": float(last.start),
+    }
+
+
 def _asyncpipe_step(
     model: nn.Sequential,
     balance: list[int],
@@ -76,17 +94,7 @@ def _asyncpipe_step(
 
     def step() -> dict[str, Any]:
         pipe.step(x, y, _loss)
-        last = pipe.last_step
-        if last is None:
-            raise RuntimeError("AsyncPipe.step() left no last_step report")
-        events = [(str(a), float(b), float(e)) for a, b, e in last.events]
-        return {
-            "lib_seconds": float(last.seconds),
-            "lib_busy": float(last.busy_seconds),
-            "lib_idle": float(last.idle_fraction),
-            **_breakdown(events, last.seconds),
-            "events": events,
-        }
+        return step_record(pipe)
 
     return step
 
