@@ -309,3 +309,20 @@ def check_step(loss_fn: object, optimizer: object = None, max_norm: object = Non
         )
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable (got {type(loss_fn).__name__})")
+
+
+def world_mismatch(world: int, entries: int, virtual_stages: int) -> str:
+    """The error for a balance whose length does not fit the pipeline's ranks, with the fixes
+    that would work."""
+    per = "" if virtual_stages == 1 else f" times virtual_stages ({virtual_stages})"
+    fixes = [f"give balance {world * virtual_stages} entries"]
+    ranks = entries // virtual_stages if entries % virtual_stages == 0 else 0
+    if ranks:
+        many = "process" if ranks == 1 else "processes"
+        fixes.append(f"launch {ranks} {many} (torchrun --nproc-per-node={ranks})")
+        if world > ranks and world % ranks == 0:
+            fixes.append(f"run {world // ranks} replicas with data_parallel_size={world // ranks}")
+    return (
+        f"balance must have one entry per pipeline rank{per} (ranks: {world}, entries in "
+        f"balance: {entries}); " + ", or ".join(fixes)
+    )

@@ -287,24 +287,32 @@ class DeferredBatchNorm(_BatchNorm):
 
 def _deferred(modules: nn.Module | Iterable[object]) -> list[DeferredBatchNorm]:
     """Every DeferredBatchNorm in ``modules`` (a module tree or an iterable of layers), once."""
+    return [m for m in _norms(modules) if isinstance(m, DeferredBatchNorm)]
+
+
+def _norms(modules: nn.Module | Iterable[object]) -> list[_BatchNorm]:
+    """Every BatchNorm layer (deferred or not) in ``modules``, once."""
     roots = [modules] if isinstance(modules, nn.Module) else list(modules)
-    found: dict[int, DeferredBatchNorm] = {}
+    found: dict[int, _BatchNorm] = {}
     for root in roots:
         if isinstance(root, nn.Module):
             for m in root.modules():
-                if isinstance(m, DeferredBatchNorm):
+                if isinstance(m, _BatchNorm):
                     found.setdefault(id(m), m)
     return list(found.values())
 
 
 @contextmanager
 def paused(modules: nn.Module | Iterable[object]) -> Iterator[None]:
-    """Switch off accumulation in every DeferredBatchNorm of ``modules`` for the body.
+    """Switch off accumulation in every DeferredBatchNorm of ``modules`` for the body, and
+    keep every plain BatchNorm's running statistics as they were before it.
 
     Wrap the recompute of a checkpointed micro-batch in it: the recompute still normalises
     with the micro-batch's statistics (so its outputs and gradients match the first forward)
-    but folds nothing in, so the micro-batch counts once. Each layer's ``tracking`` is restored
-    to what it was, so pauses nest.
+    but folds nothing in, so the micro-batch counts once, in a DeferredBatchNorm's mini-batch
+    statistics as in a plain BatchNorm's running ones (which the recompute's forward updates
+    again; they are put back after it). Each layer's ``tracking`` is restored to what it was,
+    so pauses nest.
 
     Args:
         modules: A module tree, or an iterable of layers (objects that are not modules are
@@ -319,7 +327,15 @@ def paused(modules: nn.Module | Iterable[object]) -> Iterator[None]:
         >>> int(bn.num_batches_tracked)
         0
     """
-    layers = _deferred(modules)
+    norms = _norms(modules)
+    layers = [m for m in norms if isinstance(m, DeferredBatchNorm)]
+    kept = [
+        (buffer, buffer.clone())
+        for m in norms
+        if not isinstance(m, DeferredBatchNorm) and m.training and m.track_running_stats
+        for buffer in (m.running_mean, m.running_var, m.num_batches_tracked)
+        if buffer is not None
+    ]
     before = [layer.tracking for layer in layers]
     for layer in layers:
         layer.tracking = False
@@ -328,6 +344,8 @@ def paused(modules: nn.Module | Iterable[object]) -> Iterator[None]:
     finally:
         for layer, tracking in zip(layers, before):
             layer.tracking = tracking
+        for buffer, value in kept:  # as the kernel updates them: unseen by autograd's
+            buffer.data.copy_(value)  # version counter (the recompute's graph saved them)
 
 
 def commit_all(modules: nn.Module | Iterable[object]) -> None:

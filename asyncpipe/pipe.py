@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .arguments import check_arguments, check_options, check_step, plan_factory
+from .arguments import check_arguments, check_options, check_step, plan_factory, world_mismatch
 from .balance.auto import auto_balance
 from .batchnorm import DeferredBatchNorm, commit_all
 from .delayed import DelayedUpdates
@@ -167,17 +167,7 @@ class AsyncPipe(DelayedUpdates, ManualBackward, nn.Module):
         )
         self._averager: GradientAverager | None = None
         if transport.world_size * virtual_stages != len(balance):
-            per = "" if virtual_stages == 1 else f" times virtual_stages ({virtual_stages})"
-            fix = (
-                f"launch {ranks} processes (torchrun --nproc-per-node={ranks})"
-                if transport.world_size > ranks and len(balance) % virtual_stages == 0
-                else f"give balance {transport.world_size * virtual_stages} entries"
-            )
-            raise ValueError(
-                f"balance must have one entry per pipeline rank{per} (ranks: "
-                f"{transport.world_size}, entries in balance: {len(balance)}); {fix}, or use the "
-                f"extra ranks as data-parallel replicas with data_parallel_size"
-            )
+            raise ValueError(world_mismatch(transport.world_size, len(balance), virtual_stages))
         self.transport = transport
         self.balance = list(balance)
         self.chunks = int(chunks)
@@ -445,9 +435,16 @@ class AsyncPipe(DelayedUpdates, ManualBackward, nn.Module):
             tensors = tuple(t.to(self.device) for t in tensors)
         pieces = scatter(tensors, self.chunks, what)
         if microbatches is not None and len(pieces) != microbatches:
+            source = (
+                f"schedule '2bw' runs chunks={self.chunks} every step"
+                if self._stream is not None
+                else f"the input split into {microbatches} on stage 0"
+            )
             raise ValueError(
-                f"the {what} splits into {len(pieces)} micro-batches but the input split into "
-                f"{microbatches}; input and target must have the same batch size"
+                f"the {what} splits into {len(pieces)} micro-batches (torch.chunk into "
+                f"chunks={self.chunks}) but this step runs {microbatches}: {source}; pass an "
+                f"input and target of the same batch size"
+                + (", a multiple of chunks" if self._stream is not None else "")
             )
         return pieces
 
@@ -524,6 +521,12 @@ class AsyncPipe(DelayedUpdates, ManualBackward, nn.Module):
         if self._stream is not None:  # its checks run where a failure reaches every rank
             return self._two_bw_step(input, target, loss_fn, optimizer, max_norm)
         check_step(loss_fn, optimizer, max_norm)
+        if self._pending is not None:
+            raise RuntimeError(
+                "a training forward, pipe(input), still waits for its backward: call backward() "
+                "on the last stage's output and back_helper(output) on the other stages before "
+                "step(), which runs a forward and backward of its own"
+            )
         before = self._shared.snapshot()
         work = self._run(self._prepare(input, target, loss_fn, train=True))
         if self._averager is not None:

@@ -104,3 +104,35 @@ def test_eval_uses_running_statistics() -> None:
     model.eval()
     with torch.no_grad():
         torch.testing.assert_close(out, model(x))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "zero_bubble"])
+@pytest.mark.parametrize("policy", ["always", "except_last", "never"])
+def test_plain_batch_norm_statistics_do_not_depend_on_the_checkpoint_policy(
+    schedule: str, policy: str
+) -> None:
+    """Without deferred_batch_norm, the running statistics are the plain model's run micro-batch
+    by micro-batch: a recompute in backward does not update them a second time."""
+    model = bn_model()
+    torch.manual_seed(2)
+    x, y = torch.randn(12, 8), torch.randn(12, 8)
+    plain = copy.deepcopy(model)
+    for _ in range(2):
+        for px, py in zip(x.chunk(4), y.chunk(4)):
+            (mse(plain(px), py) / 4).backward()
+    want = {k: v for k, v in plain.state_dict().items() if "running" in k or "num_batches" in k}
+
+    def fn(rank: int, transport: Transport) -> AsyncPipe:
+        pipe = AsyncPipe(
+            model, [3, 3], chunks=4, checkpoint=policy, schedule=schedule, transport=transport,
+            timeout=10,
+        )  # fmt: skip
+        for _ in range(2):
+            pipe.step(x, y, mse)
+        return pipe
+
+    got = {}
+    for pipe in values(run_threads(fn, 2)):
+        got.update(pipe.state_dict())
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, msg=key)

@@ -173,6 +173,23 @@ def test_forward_and_back_helper_match_the_plain_model() -> None:
         torch.testing.assert_close(got.grad, want.grad)
 
 
+def test_step_refuses_while_a_training_forward_waits_for_its_backward() -> None:
+    model = mlp(4)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+
+    def fn(rank: int, transport: Transport) -> str:
+        pipe = AsyncPipe(model, [2, 2], chunks=4, transport=transport, timeout=10)
+        pipe(x if rank == 0 else None)
+        try:
+            pipe.step(x, y, mse)
+        except RuntimeError as e:
+            return str(e)
+        return "stepped"
+
+    for text in values(run_threads(fn, 2)):
+        assert "still waits for its backward" in text and "before step()" in text, text
+
+
 @pytest.mark.parametrize("mode", ["no_grad", "eval"])
 def test_inference_pipeline_waits_for_no_gradients(mode: str) -> None:
     model = mlp(4)

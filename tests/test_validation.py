@@ -70,14 +70,20 @@ def test_every_problem_is_listed_at_once() -> None:
 
 
 def test_world_size_must_match_balance() -> None:
-    with pytest.raises(
-        ValueError,
-        match=r"one entry per pipeline rank \(ranks: 4, entries in "
-        r"balance: 2\); launch 2 processes",
-    ):
+    with pytest.raises(ValueError) as info:
         AsyncPipe(mlp(4), [2, 2], transport=transport(4))
-    with pytest.raises(ValueError, match="give balance 1 entries"):
+    assert str(info.value).endswith(
+        "one entry per pipeline rank (ranks: 4, entries in balance: 2); give balance 4 "
+        "entries, or launch 2 processes (torchrun --nproc-per-node=2), or run 2 replicas "
+        "with data_parallel_size=2"
+    )
+    with pytest.raises(ValueError, match=r"give balance 1 entries, or launch 2 processes \("):
         AsyncPipe(mlp(4), [2, 2], transport=transport(1))
+    with pytest.raises(ValueError) as info:  # 3 ranks cannot hold replicas of 2 stages
+        AsyncPipe(mlp(4), [2, 2], transport=transport(3))
+    assert "data_parallel_size" not in str(info.value)
+    with pytest.raises(ValueError, match=r"times virtual_stages \(2\).*give balance 4 entries"):
+        AsyncPipe(mlp(4), [2, 2], schedule="interleaved", virtual_stages=2, transport=transport(2))
 
 
 def test_p2p_without_process_group_says_how_to_launch() -> None:
