@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -16,7 +18,7 @@ from .precision import DTYPES
 from .recompute import POLICIES
 from .schedule import NAMES, Plan, PlanError, build, gpipe, stage_owners, validate
 from .trace import TraceWriter
-from .transport import Transport
+from .transport import Transport, TransportTimeout
 
 __all__: list[str] = []
 
@@ -326,3 +328,68 @@ def world_mismatch(world: int, entries: int, virtual_stages: int) -> str:
         f"balance must have one entry per pipeline rank{per} (ranks: {world}, entries in "
         f"balance: {entries}); " + ", or ".join(fixes)
     )
+
+
+def agree(
+    exchange: Callable[[list[float]], list[list[float]]], rank: int, fields: dict[str, object]
+) -> None:
+    """Check that every pipeline rank built ``AsyncPipe`` with the same ``fields`` (name ->
+    value): one small exchange of a checksum per field, before any step. Ranks that disagree
+    would otherwise run different plans (a wrong loss without an error, or a wait until the
+    timeout that blames a peer). Raises ValueError naming each field that differs and the
+    ranks it differs on."""
+    names = list(fields)
+    mine = [float(zlib.crc32(repr(fields[name]).encode())) for name in names]
+    try:
+        table = exchange(mine)
+    except TransportTimeout as e:
+        raise TransportTimeout(
+            f"AsyncPipe's constructor compares its arguments across the pipeline's ranks, and "
+            f"{e} (did the constructor fail on that rank, or is AsyncPipe not built there?)"
+        ) from e
+    differ: dict[str, list[int]] = {}
+    for peer, row in enumerate(table):
+        for name, value in zip(names, row):
+            if peer != rank and value != mine[names.index(name)]:
+                differ.setdefault(name, []).append(peer)
+    if differ:
+        found = "; ".join(
+            f"{name} (here: {fields[name]!r}; other on rank{'s' if len(peers) > 1 else ''} "
+            f"{', '.join(map(str, peers))})"
+            for name, peers in differ.items()
+        )
+        raise ValueError(
+            f"every rank of the pipeline must build AsyncPipe with the same arguments, and "
+            f"rank {rank}'s differ from other ranks' in: {found}; pass the same values on "
+            f"every rank"
+        )
+
+
+def same_everywhere(
+    pipe: Any,
+    layers: Sequence[Layer],
+    schedule: object,
+    shared_weights: Sequence[Sequence[str] | str],
+    traced: bool,
+) -> dict[str, object]:
+    """The arguments every rank must give alike, as :func:`agree` compares them, from an
+    ``AsyncPipe`` being built: the layers' kinds, the plan (a dict sorted by rank), the shared
+    weights, whether it traces, and its options as it keeps them."""
+    scale = pipe.scaler.scale if pipe.scaler is not None else None
+    return {
+        "layers": [type(layer).__name__ for layer in layers],
+        "balance": pipe.balance,
+        "chunks": pipe.chunks,
+        "checkpoint": pipe.checkpoint,
+        "schedule": sorted(schedule.items()) if isinstance(schedule, dict) else schedule,
+        "virtual_stages": pipe.virtual_stages,
+        "lookahead": pipe.lookahead,
+        "deferred_batch_norm": pipe.deferred_batch_norm,
+        "transport": type(pipe.transport).__name__,
+        "data_parallel_size": pipe.data_parallel_size,
+        "autocast": pipe.autocast,
+        "loss_scale": scale,
+        "reduce_activations": pipe.reduce_activations,
+        "shared_weights": [w if isinstance(w, str) else tuple(w) for w in shared_weights],
+        "trace": traced,
+    }

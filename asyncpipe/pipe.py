@@ -12,7 +12,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .arguments import check_arguments, check_options, check_step, plan_factory, world_mismatch
+from .arguments import (
+    agree,
+    check_arguments,
+    check_options,
+    check_step,
+    plan_factory,
+    same_everywhere,
+    world_mismatch,
+)
 from .balance.auto import auto_balance
 from .batchnorm import DeferredBatchNorm, commit_all
 from .delayed import DelayedUpdates
@@ -40,8 +48,9 @@ __all__: list[str] = []
 class AsyncPipe(DelayedUpdates, ManualBackward, nn.Module):
     """One rank's part of a model split into pipeline stages that run in separate processes.
 
-    Every process of the pipeline builds ``AsyncPipe`` with the same arguments; each keeps only
-    the layers of its own stage (the caller's objects, not copies) and runs the plan of its
+    Every process of the pipeline builds ``AsyncPipe`` with the same arguments (the ranks
+    compare them before returning; see :doc:`/reliability`); each keeps only the layers of its
+    own stage (the caller's objects, not copies) and runs the plan of its
     rank, streaming ``chunks`` micro-batches through the stages. ``state_dict()`` holds this
     rank's layers under the plain model's names (``"3.weight"``), and ``load_state_dict()``
     takes them from any dict with those names, the whole model's included (see
@@ -232,9 +241,6 @@ class AsyncPipe(DelayedUpdates, ManualBackward, nn.Module):
             if isinstance(transport, GroupTransport)
             else None
         )
-        self._shared = SharedWeights(
-            shared_weights, layers, partitions, self.stage, global_rank, self.timeout
-        )
         self._runtime = Runtime(
             self.stage,
             local,
@@ -244,6 +250,11 @@ class AsyncPipe(DelayedUpdates, ManualBackward, nn.Module):
             self.timeout,
             self.device,
             routes,
+        )
+        fields = same_everywhere(self, layers, schedule, shared_weights, trace is not None)
+        agree(self._runtime.exchange, self.stage, fields)  # before anything waits on the others
+        self._shared = SharedWeights(
+            shared_weights, layers, partitions, self.stage, global_rank, self.timeout
         )
         self.skip_routes = routes
         if data_parallel_group is not None:

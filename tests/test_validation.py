@@ -158,3 +158,35 @@ def test_the_shm_transport_lists_its_problems_before_touching_shared_memory() ->
     assert "call asyncpipe.init() first" in text
     assert "ring_bytes must be an integer of at least 65536 (got 5)" in text
     assert "spin must be a number of seconds in [0, 1) (got 2)" in text
+
+
+@pytest.mark.parametrize(
+    "differ,named",
+    [
+        ({"balance": [1, 3]}, "balance (here: [1, 3]; other on rank 0)"),
+        ({"chunks": 2}, "chunks (here: 2; other on rank 0)"),
+        ({"schedule": "1f1b"}, "schedule (here: '1f1b'; other on rank 0)"),
+        ({"checkpoint": "never"}, "checkpoint (here: 'never'; other on rank 0)"),
+    ],
+)
+def test_ranks_that_build_the_pipeline_differently_are_told_before_any_step(
+    differ: dict[str, object], named: str
+) -> None:
+    from threads import run_threads
+
+    model = mlp(4)
+
+    def build(rank: int, transport: asyncpipe.transport.Transport) -> None:
+        options: dict[str, object] = {"balance": [2, 2], "chunks": 4, "schedule": "gpipe"}
+        if rank == 1:
+            options.update(differ)
+        AsyncPipe(model, transport=transport, timeout=10, **options)  # type: ignore[arg-type]
+
+    results = run_threads(build, 2)
+    for rank, (status, error) in enumerate(results):
+        assert status == "error" and isinstance(error, ValueError), (rank, error)
+        assert "must build AsyncPipe with the same arguments" in str(error)
+        if rank == 1:
+            assert named in str(error), str(error)
+        else:
+            assert f"{next(iter(differ))} (here: " in str(error) and "other on rank 1" in str(error)
