@@ -144,6 +144,16 @@ def set_up_errors(rank: int, world: int, case: str) -> Any:
     return "no error", ""
 
 
+def transports_differ(rank: int, world: int) -> Any:
+    """Rank 0 builds its pipeline over shm, rank 1 over p2p: each must say what it waited for."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    try:
+        AsyncPipe(model, [1, 1], transport="shm" if rank == 0 else "p2p", timeout=3)
+    except (ConnectionError, TransportTimeout, RuntimeError, ValueError) as e:
+        return type(e).__name__, str(e)
+    return "no error", ""
+
+
 def two_bw(rank: int, world: int, plain: nn.Module, data: list[Any], chunks: int) -> Any:
     """2BW over shm for the given batches with a flush after the last: what step() and
     flush() return, and this rank's weights."""

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 from gloo_workers import check_errors, every_schedule, failure
-from shm_workers import messages, peer_dies, set_up_errors, spill, two_bw
+from shm_workers import messages, peer_dies, set_up_errors, spill, transports_differ, two_bw
 from spawn import run_ranks, run_ranks_raw
 
 from tests.test_2bw import batches, delayed_reference, model
@@ -75,6 +75,14 @@ def test_a_peer_whose_process_this_rank_cannot_see_is_left_to_the_timeout() -> N
 def test_a_transport_that_cannot_be_built_fails_on_every_rank(case: str, words: str) -> None:
     for kind, text in run_ranks(set_up_errors, 2, case, timeout=60):
         assert kind in ("ValueError", "RuntimeError") and words in text, text
+
+
+def test_ranks_that_build_different_transports_say_so() -> None:
+    results = run_ranks(transports_differ, 2, timeout=90)
+    kind, text = results[1]  # p2p: waited in the comparison of the arguments
+    assert kind == "TransportTimeout" and "compares its arguments" in text, text
+    kind, text = results[0]  # shm: its collective set-up lost the other rank
+    assert kind == "ConnectionError" and "set-up is collective" in text, text
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -202,7 +202,14 @@ class ShmTransport(GroupTransport):
 
     def _gather(self, group: dist.ProcessGroup | None, value: object) -> list[object]:
         values: list[object] = [None] * self.world_size
-        dist.all_gather_object(values, value, group=group)
+        try:
+            dist.all_gather_object(values, value, group=group)
+        except RuntimeError as e:  # e.g. a rank that built another transport went away
+            raise ConnectionError(
+                f"rank {self.rank} could not set up the shm transport with the other ranks: "
+                f"its set-up is collective, so every rank of the pipeline must build it "
+                f"(transport='shm') at the same time ({str(e).splitlines()[0] if str(e) else e!r})"
+            ) from e
         return values
 
     def _connect(self, group: dist.ProcessGroup | None, peers: list[int]) -> list[int]:
