@@ -10,7 +10,8 @@ ahead of it, so any order of sends and receives works::
 A remote call costs far more than the bytes of a small message (a request, a reply, the
 receiver's thread pool), so calls to a peer are not stacked without limit: with
 ``_IN_FLIGHT`` calls to it unacknowledged, later messages to it wait in its outbox, and the
-acknowledgement of one of those calls sends the whole outbox as one call::
+acknowledgement of the oldest of those calls sends the whole outbox as one call (only then
+does Python run when a call is acknowledged)::
 
     send m1..m4 ──4 calls──> (none acknowledged yet)     send m5..m9 ──> outbox [m5 .. m9]
     m1 acknowledged ──> one call [m5 .. m9]              (a pipeline, which sends one message
@@ -134,11 +135,13 @@ def worker_names() -> dict[int, str]:
 
 
 class _Outbox:
-    """The calls to one peer not yet acknowledged, and the messages waiting for one of them."""
+    """The calls to one peer not known to be acknowledged (oldest first), the messages waiting
+    for one of them, and whether a callback on one of them will send those."""
 
     def __init__(self) -> None:
-        self.in_flight = 0
+        self.calls: list[Any] = []
         self.queued: list[_Item] = []
+        self.waiting = False
 
 
 class _MailboxRecv(PendingRecv):
@@ -198,7 +201,8 @@ class RPCTransport(Transport):
         # Sending side, shared with the acknowledgements (they run on RPC threads).
         self._lock = threading.Condition()
         self._outboxes: dict[int, _Outbox] = {}
-        self._unacknowledged = 0  # messages sent or waiting in an outbox
+        self._futures: list[tuple[int, Any]] = []  # every call since the last flush
+        self._sending = 0  # batches an acknowledgement took from an outbox, not yet sent
         self._failed: list[tuple[int, BaseException]] = []
 
     def send(self, dst: int, channel: int, message: Message) -> None:
@@ -207,54 +211,57 @@ class RPCTransport(Transport):
         sequence = self._sent.get((dst, channel), 0)
         self._sent[(dst, channel)] = sequence + 1
         item = (channel, sequence, message.microbatch, message.microbatches, tensors, grads)
+        oldest = None
         with self._lock:
-            self._unacknowledged += 1
             box = self._outboxes.setdefault(dst, _Outbox())
-            if box.in_flight >= _IN_FLIGHT:
+            box.calls = [f for f in box.calls if not f.done()]
+            wait = bool(box.calls) and (len(box.calls) >= _IN_FLIGHT or bool(box.queued))
+            if wait:
                 box.queued.append((*item, message.error))
-                return
-            box.in_flight += 1
-        self._call(dst, [(*item, message.error)], caller=True)
+                if not box.waiting:  # the oldest call's acknowledgement sends the outbox
+                    box.waiting, oldest = True, box.calls[0]
+        if not wait:  # the common case: one call, and no Python runs when it is acknowledged
+            self._track(dst, self._call(dst, [(*item, message.error)]))
+        elif oldest is not None:
+            oldest.add_done_callback(lambda _: self._drain(dst))
 
-    def _call(self, dst: int, items: list[_Item], caller: bool = False) -> None:
-        """One remote call carrying ``items`` to ``dst``, counted in its outbox's calls. The
-        ``caller`` (a send) gets an error of the call itself (e.g. RPC shut down); on an RPC
-        thread (an acknowledgement sending an outbox) the next flush reports it."""
-        try:
-            future = rpc.rpc_async(
-                self.worker_map[dst], _deliver, args=(self.name, self.rank, items)
-            )
-        except Exception as e:
-            self._acknowledged(dst, len(items), None, None if caller else e)
-            if caller:
-                raise
-            return
-        future.add_done_callback(lambda done: self._acknowledged(dst, len(items), done))
+    def _call(self, dst: int, items: list[_Item]) -> Any:
+        """One remote call carrying ``items`` to ``dst``."""
+        return rpc.rpc_async(self.worker_map[dst], _deliver, args=(self.name, self.rank, items))
 
-    def _acknowledged(
-        self, dst: int, count: int, future: Any, error: BaseException | None = None
-    ) -> None:
-        """A call to ``dst`` ended: count its messages, and send what waits in the outbox."""
-        if future is not None:
-            try:
-                future.wait()
-            except Exception as e:
-                error = e
-        batch: list[_Item] = []
+    def _track(self, dst: int, future: Any) -> None:
         with self._lock:
-            self._unacknowledged -= count
+            self._outboxes[dst].calls.append(future)
+            self._futures.append((dst, future))
+
+    def _drain(self, dst: int) -> None:
+        """Runs when a call to ``dst`` ended (on an RPC thread): send what waits for it as one
+        call, and have that call's end send what comes meanwhile."""
+        with self._lock:
             box = self._outboxes[dst]
-            box.in_flight -= 1
-            if error is not None:  # the pipeline fails: what waits is dropped, flush says why
-                self._failed.append((dst, error))
-                self._unacknowledged -= len(box.queued)
+            box.waiting = False
+            batch, box.queued = box.queued[:_BATCH], box.queued[_BATCH:]
+            self._sending += 1 if batch else 0
+        if not batch:
+            return
+        try:
+            future = self._call(dst, batch)
+        except Exception as e:  # e.g. RPC shut down: the next flush reports it
+            with self._lock:
+                self._failed.append((dst, e))
+                self._sending -= 1
                 box.queued = []
-            elif box.queued:
-                batch, box.queued = box.queued[:_BATCH], box.queued[_BATCH:]
-                box.in_flight += 1
+                self._lock.notify_all()
+            return
+        with self._lock:
+            box.calls.append(future)
+            self._futures.append((dst, future))
+            self._sending -= 1
+            more = bool(box.queued) and not box.waiting
+            box.waiting = box.waiting or more
             self._lock.notify_all()
-        if batch:
-            self._call(dst, batch)
+        if more:
+            future.add_done_callback(lambda _: self._drain(dst))
 
     def recv(self, src: int, channel: int, slot: int = 0) -> PendingRecv:
         sequence = self._posted.get((src, channel), 0)
@@ -262,23 +269,41 @@ class RPCTransport(Transport):
         return _MailboxRecv(self, src, channel, sequence)
 
     def flush(self, timeout: float) -> None:
+        with self._lock:  # what waits in outboxes goes now: flush waits for everything anyway
+            self._lock.wait_for(lambda: self._sending == 0, timeout)
+            waiting = {dst: box.queued for dst, box in self._outboxes.items() if box.queued}
+            for dst in waiting:
+                self._outboxes[dst].queued = []
+        for dst, items in waiting.items():
+            for start in range(0, len(items), _BATCH):
+                self._track(dst, self._call(dst, items[start : start + _BATCH]))
         with self._lock:
-            done = self._lock.wait_for(
-                lambda: self._unacknowledged == 0 or bool(self._failed), timeout
-            )
+            futures, self._futures = self._futures, []
             failed, self._failed = self._failed, []
-            late = sorted(d for d, box in self._outboxes.items() if box.in_flight or box.queued)
         if failed:
             dst, e = failed[0]
             raise TransportTimeout(
                 f"rank {self.rank} could not deliver a message to rank {dst} (RPC worker "
                 f"{self.worker_map[dst]!r}): {str(e).splitlines()[0] if str(e) else e!r}"
             ) from e
-        if not done:
+        if not futures:
+            return
+        delivered = threading.Event()
+        torch.futures.collect_all([f for _, f in futures]).then(lambda _: delivered.set())
+        if not delivered.wait(timeout):
+            late = sorted({dst for dst, f in futures if not f.done()})
             raise TransportTimeout(
                 f"rank {self.rank} could not deliver its messages to ranks {late} (RPC workers "
                 f"{[self.worker_map[d] for d in late]}) within {timeout:.1f} s"
             )
+        for dst, future in futures:
+            try:
+                future.wait()
+            except Exception as e:
+                raise TransportTimeout(
+                    f"rank {self.rank} could not deliver a message to rank {dst} (RPC worker "
+                    f"{self.worker_map[dst]!r}): {str(e).splitlines()[0] if str(e) else e!r}"
+                ) from e
 
     def close(self) -> None:
         _Post.remove(self.name)
