@@ -373,7 +373,8 @@ class AsyncPipe(DelayedUpdates, ManualBackward, nn.Module):
         except MismatchedBatch:  # the step ended cleanly on every rank: nothing is in flight
             raise
         except BaseException as e:
-            self._broken = StageFailure(str(e), rank=self.stage, stage=-1, microbatch=-1, action="")
+            what = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__  # KeyboardInterrupt
+            self._broken = StageFailure(what, rank=self.stage, stage=-1, microbatch=-1, action="")
             raise
         self.last_step = report
         if self._recorder is not None:

@@ -154,7 +154,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=64, help="images per step")
     parser.add_argument("--chunks", type=int, default=4, help="micro-batches per step")
     parser.add_argument("--width", type=int, default=16, help="channels of the first stage")
-    parser.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, zero_bubble")
+    parser.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved, zero_bubble")
     parser.add_argument(
         "--checkpoint", choices=("always", "except_last", "never"), default="except_last"
     )

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 from threads import run_threads, values
-from training import model, optimizer, train_step
+from training import batch, model, mse, optimizer, train_step
 
 from asyncpipe import AsyncPipe, checkpoint
 from asyncpipe.checkpoint import files
@@ -168,6 +168,49 @@ def test_a_save_that_fails_on_one_rank_leaves_the_last_checkpoint(
             assert torch.equal(params[key], want[key]), key
 
 
+def test_a_failed_save_of_the_same_step_leaves_that_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Saving step 1 again (after more training) goes to other files until every rank has
+    written; rank 1 failing leaves the first step-1 checkpoint whole on every rank."""
+    write = files._write_atomically
+    fail = {"on": False}
+
+    def failing(where: str, content: Any) -> None:
+        if fail["on"] and os.path.basename(where).startswith("stage1."):
+            raise OSError("disk full")
+        write(where, content)
+
+    def job(pipe: AsyncPipe, opt: Any, rank: int) -> Any:
+        train_step(pipe, opt, 0)
+        checkpoint.save(pipe, opt, tmp_path, step=1)
+        saved = {k: v.clone() for k, v in pipe.state_dict().items()}
+        train_step(pipe, opt, 1)
+        checkpoint.save(pipe, opt, tmp_path, step=1)  # the same step, other contents: fine
+        again = {k: v.clone() for k, v in pipe.state_dict().items()}
+        train_step(pipe, opt, 2)
+        fail["on"] = True
+        with pytest.raises(RuntimeError, match=r"step 1 .* not saved \(rank 1: OSError: disk"):
+            checkpoint.save(pipe, opt, tmp_path, step=1)
+        return saved, again
+
+    monkeypatch.setattr(files, "_write_atomically", failing)
+    saved = run([4, 4], job)
+    monkeypatch.setattr(files, "_write_atomically", write)
+
+    def reload(pipe: AsyncPipe, opt: Any, rank: int) -> Any:
+        return checkpoint.load(pipe, opt, tmp_path).step, pipe.state_dict()
+
+    for (step, params), (first, again) in zip(run([4, 4], reload, seed=3), saved):
+        assert step == 1
+        for key in again:  # the second save of step 1, whole on both ranks
+            assert torch.equal(params[key], again[key]), key
+        assert any(not torch.equal(first[k], again[k]) for k in first)
+    # the manifest names the files of the second save; the failed one's leftovers (rank 0's
+    # file) go at the next good save
+    assert sorted(files.read_manifest(tmp_path).files) == ["stage0.step1.b.pt", "stage1.step1.b.pt"]
+
+
 def test_loading_refuses_what_does_not_fit(tmp_path: Path) -> None:
     def nothing_there(pipe: AsyncPipe, opt: Any, rank: int) -> Any:
         with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
@@ -193,6 +236,15 @@ def test_a_checkpoint_of_another_model_is_refused(tmp_path: Path) -> None:
             checkpoint.load(pipe, None, tmp_path)
 
     values(run_threads(fn, 2))
+    # the same 8 positions, other layers in them: named, not torch's key lists
+    other = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8)) for _ in range(8)])
+
+    def inside(rank: int, transport: Transport) -> None:
+        pipe = AsyncPipe(other, [4, 4], transport=transport)
+        with pytest.raises(ValueError, match=r"other layers at the same positions: it has no"):
+            checkpoint.load(pipe, None, tmp_path)
+
+    values(run_threads(inside, 2))
 
 
 def test_a_stop_asked_on_one_rank_is_agreed_on_every_rank_after_the_step() -> None:
@@ -206,3 +258,33 @@ def test_a_stop_asked_on_one_rank_is_agreed_on_every_rank_after_the_step() -> No
         return seen
 
     assert run([3, 2, 3], job) == [[False, True, True]] * 3
+
+
+def test_a_2bw_pipeline_in_flight_is_flushed_before_it_is_saved(tmp_path: Path) -> None:
+    """save() refuses a 2BW pipeline with a mini-batch in flight (its update would be lost);
+    GracefulStop.check drains it first, so the checkpoint holds every update."""
+    net = model(0)
+
+    def fn(rank: int, transport: Transport) -> Any:
+        pipe = AsyncPipe(net, [4, 4], chunks=2, schedule="2bw", transport=transport, timeout=20)
+        opt = optimizer(pipe.parameters())
+        for step in range(2):
+            pipe.step(*batch(step), mse, optimizer=opt)
+        with pytest.raises(RuntimeError, match=r"call pipe.flush\(\) on every rank before"):
+            checkpoint.save(pipe, opt, tmp_path, step=2)
+        stop = checkpoint.GracefulStop.__new__(checkpoint.GracefulStop)  # no signal handlers
+        stop.pipe, stop.optimizer, stop.path, stop._previous = pipe, opt, tmp_path, {}
+        pipe._runtime.stop_agreed = True  # as if a rank had asked to stop
+        with pytest.raises(SystemExit):
+            stop.check(2)
+        return {k: v.clone() for k, v in pipe.state_dict().items()}, pipe._stream.in_flight
+
+    flushed = values(run_threads(fn, 2))
+
+    def reload(pipe: AsyncPipe, opt: Any, rank: int) -> Any:
+        return checkpoint.load(pipe, opt, tmp_path).step, pipe.state_dict()
+
+    for (step, params), (want, in_flight) in zip(run([4, 4], reload, seed=3), flushed):
+        assert step == 2 and not in_flight
+        for key in want:
+            assert torch.equal(params[key], want[key]), key

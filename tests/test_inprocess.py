@@ -389,6 +389,20 @@ def test_a_failed_pipeline_refuses_further_steps() -> None:
     assert values(run_threads(fn, 2)) == ["ok", "ok"]
 
 
+def test_an_interrupted_step_is_named_when_the_pipeline_refuses_the_next() -> None:
+    class Interrupt(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            raise KeyboardInterrupt  # str() of it is empty
+
+    model = nn.Sequential(nn.Linear(8, 8), Interrupt())
+    alone = asyncpipe.transport.InProcessHub(1).transport(0)
+    pipe = AsyncPipe(model, [2], chunks=1, transport=alone, timeout=10)
+    with pytest.raises(KeyboardInterrupt):
+        pipe.step(torch.randn(2, 8), torch.randn(2, 8), mse)
+    with pytest.raises(RuntimeError, match=r"failed in an earlier call \(KeyboardInterrupt\)"):
+        pipe.step(torch.randn(2, 8), torch.randn(2, 8), mse)
+
+
 def test_step_reports_timing() -> None:
     model = mlp(2)
 

@@ -38,7 +38,22 @@ __all__: list[str] = []
 
 MANIFEST = "manifest.json"
 FORMAT = 1
-_FILE = re.compile(r"stage(\d+)\.step(\d+)\.pt$")
+_FILE = re.compile(r"stage(\d+)\.step(\d+)(\.b)?\.pt$")
+
+
+def _file_name(stage: int, step: int, directory: str) -> str:
+    """The file of ``stage`` for a save of ``step`` into ``directory``: a save of the step
+    the complete checkpoint there already has goes to the other of two names, so the files the
+    manifest names stay untouched until the new ones are all written (every rank reads the
+    same manifest, so all agree)."""
+    name = f"stage{stage}.step{step}.pt"
+    try:
+        manifest = read_manifest(directory)
+    except (FileNotFoundError, ValueError):
+        return name
+    if manifest.step == step and name in manifest.files:
+        return f"stage{stage}.step{step}.b.pt"
+    return name
 
 
 @dataclass(frozen=True)
@@ -192,8 +207,9 @@ def save(
     """Save the pipeline (and optimizer) of every rank into directory ``path``.
 
     Call it on every rank at the same point, between steps. It returns once the checkpoint is
-    complete on every rank; a checkpoint of an earlier step in ``path`` stays valid until then
-    and is removed after.
+    complete on every rank; a checkpoint of an earlier step (or of the same step) in ``path``
+    stays valid until then and is removed after. Under ``schedule="2bw"``, call
+    ``pipe.flush()`` first: a mini-batch still in flight has not had its update.
 
     Args:
         pipe: this rank's pipeline.
@@ -204,14 +220,20 @@ def save(
 
     Raises:
         RuntimeError: on every rank, if any rank could not write its file (the old
-            checkpoint, if any, is left in place).
+            checkpoint, if any, is left in place), or a 2BW pipeline is not flushed.
 
     Example:
         >>> asyncpipe.checkpoint.save(pipe, optimizer, "ckpt", step=step)  # doctest: +SKIP
     """
+    stream = getattr(pipe, "_stream", None)
+    if stream is not None and stream.in_flight:  # the same on every rank: all raise
+        raise RuntimeError(
+            "schedule '2bw' keeps a mini-batch in flight between steps, whose backwards and "
+            "update a checkpoint would lose; call pipe.flush() on every rank before saving"
+        )
     directory = os.fspath(path)
     rank = pipe.transport.rank
-    name = f"stage{rank}.step{int(step)}.pt"
+    name = _file_name(rank, int(step), directory)
     error = None
     try:
         os.makedirs(directory, exist_ok=True)
@@ -249,7 +271,7 @@ def _write_manifest(
     files = {}
     for part in pipe.partitions:
         names = [pipe.layer_names[inv.order] for inv in part.invocations]
-        files[f"stage{part.stage}.step{step}.pt"] = names
+        files[_file_name(part.stage, step, directory)] = names
     manifest = {
         "format": FORMAT,
         "step": step,
@@ -325,6 +347,15 @@ def load(
     model: dict[str, Tensor] = {}
     for content in contents:
         model.update(content["model"])
+    missing = sorted(set(pipe.state_dict()) - set(model))
+    if missing:  # same positions, other layers inside them
+        layers = {key.split(".")[0] for key in missing}
+        held = sorted(k for k in model if k.split(".")[0] in layers)
+        raise ValueError(
+            f"the checkpoint in {directory!r} is of a model with other layers at the same "
+            f"positions: it has no {missing[:4]} (it holds {held[:4]} there); load it into "
+            f"the model it was saved from"
+        )
     pipe.load_state_dict(model)
     if optimizer is not None:
         _load_optimizer(pipe, optimizer, [c["optimizer"] for c in contents if c["optimizer"]])

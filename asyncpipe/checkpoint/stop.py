@@ -78,7 +78,9 @@ class GracefulStop:
         self.pipe.request_stop()
 
     def check(self, step: int, extra: Any = None) -> None:
-        """Save and exit if any rank asked to stop by the end of the last step.
+        """Save and exit if any rank asked to stop by the end of the last step. Under
+        ``schedule="2bw"`` it first drains the pipeline (``pipe.flush()``), so the checkpoint
+        holds the update of every mini-batch begun.
 
         Args:
             step: the number of steps finished (what :func:`load` will return).
@@ -89,6 +91,9 @@ class GracefulStop:
         """
         if not self.pipe.stop_agreed:
             return
+        stream = getattr(self.pipe, "_stream", None)
+        if stream is not None and stream.in_flight:
+            self.pipe.flush()
         save(self.pipe, self.optimizer, self.path, step=step, extra=extra)
         self.restore()
         raise SystemExit(0)
