@@ -41,19 +41,18 @@ FORMAT = 1
 _FILE = re.compile(r"stage(\d+)\.step(\d+)(\.b)?\.pt$")
 
 
-def _file_name(stage: int, step: int, directory: str) -> str:
-    """The file of ``stage`` for a save of ``step`` into ``directory``: a save of the step
-    the complete checkpoint there already has goes to the other of two names, so the files the
+def _suffix(step: int, directory: str) -> str:
+    """How the files of a save of ``step`` into ``directory`` end: a save of the step the
+    complete checkpoint there already has goes to the other of two names, so the files the
     manifest names stay untouched until the new ones are all written (every rank reads the
     same manifest, so all agree)."""
-    name = f"stage{stage}.step{step}.pt"
     try:
         manifest = read_manifest(directory)
     except (FileNotFoundError, ValueError):
-        return name
-    if manifest.step == step and name in manifest.files:
-        return f"stage{stage}.step{step}.b.pt"
-    return name
+        return ".pt"
+    if manifest.step == step and any(name.endswith(f".step{step}.pt") for name in manifest.files):
+        return ".b.pt"
+    return ".pt"
 
 
 @dataclass(frozen=True)
@@ -233,7 +232,7 @@ def save(
         )
     directory = os.fspath(path)
     rank = pipe.transport.rank
-    name = _file_name(rank, int(step), directory)
+    name = f"stage{rank}.step{int(step)}{_suffix(int(step), directory)}"
     error = None
     try:
         os.makedirs(directory, exist_ok=True)
@@ -269,9 +268,10 @@ def _write_manifest(
     extra: Any,
 ) -> None:
     files = {}
+    suffix = _suffix(step, directory)  # read before the new manifest replaces the old
     for part in pipe.partitions:
         names = [pipe.layer_names[inv.order] for inv in part.invocations]
-        files[_file_name(part.stage, step, directory)] = names
+        files[f"stage{part.stage}.step{step}{suffix}"] = names
     manifest = {
         "format": FORMAT,
         "step": step,
