@@ -349,8 +349,8 @@ def agree(
         ) from e
     differ: dict[str, list[int]] = {}
     for peer, row in enumerate(table):
-        for name, value in zip(names, row):
-            if peer != rank and value != mine[names.index(name)]:
+        for name, ours, theirs in zip(names, mine, row):
+            if peer != rank and ours != theirs:
                 differ.setdefault(name, []).append(peer)
     if differ:
         found = "; ".join(
