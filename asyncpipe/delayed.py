@@ -75,6 +75,12 @@ class DelayedUpdates:
         self._windowed(report, work, loss, window)
         return loss
 
+    @property
+    def in_flight(self) -> bool:
+        """Whether a 2BW mini-batch still owes backwards and its update (:meth:`flush` drains
+        it); always False for the schedules that flush every step."""
+        return self._stream is not None and self._stream.in_flight
+
     def flush(self) -> float:
         """Drain the pipeline: with ``schedule="2bw"``, run the backwards the last mini-batch
         still owes and apply its update, so the parameters hold every mini-batch's gradient and
@@ -89,7 +95,7 @@ class DelayedUpdates:
             ...     pipe.step(x, y, loss_fn, optimizer=optimizer)
             >>> last_loss = pipe.flush()                                 # doctest: +SKIP
         """
-        if self._stream is None or not self._stream.in_flight:
+        if self._stream is None or not self.in_flight:
             return math.nan
         self._guard()
         with self._breaking():

@@ -430,7 +430,7 @@ class AsyncPipe(DelayedUpdates, ManualBackward, nn.Module):
         """Drain the pipeline (see :meth:`flush`) and finish the trace (rank 0 writes the last
         step, the Chrome trace and the timeline pictures); call it on every rank after the last
         step."""
-        if self._stream is not None and self._stream.in_flight and self._broken is None:
+        if self.in_flight and self._broken is None:
             self.flush()
         if self._recorder is not None:
             self._recorder.close(drain=self._broken is None)

@@ -224,8 +224,7 @@ def save(
     Example:
         >>> asyncpipe.checkpoint.save(pipe, optimizer, "ckpt", step=step)  # doctest: +SKIP
     """
-    stream = getattr(pipe, "_stream", None)
-    if stream is not None and stream.in_flight:  # the same on every rank: all raise
+    if pipe.in_flight:  # the same on every rank: all raise
         raise RuntimeError(
             "schedule '2bw' keeps a mini-batch in flight between steps, whose backwards and "
             "update a checkpoint would lose; call pipe.flush() on every rank before saving"

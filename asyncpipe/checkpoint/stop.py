@@ -91,8 +91,7 @@ class GracefulStop:
         """
         if not self.pipe.stop_agreed:
             return
-        stream = getattr(self.pipe, "_stream", None)
-        if stream is not None and stream.in_flight:
+        if self.pipe.in_flight:
             self.pipe.flush()
         save(self.pipe, self.optimizer, self.path, step=step, extra=extra)
         self.restore()

@@ -210,18 +210,21 @@ class RPCTransport(Transport):
         grads = [t is not None and t.requires_grad for t in message.tensors]
         sequence = self._sent.get((dst, channel), 0)
         self._sent[(dst, channel)] = sequence + 1
-        item = (channel, sequence, message.microbatch, message.microbatches, tensors, grads)
+        item: _Item = (
+            channel, sequence, message.microbatch, message.microbatches, tensors, grads,
+            message.error,
+        )  # fmt: skip
         oldest = None
         with self._lock:
             box = self._outboxes.setdefault(dst, _Outbox())
             box.calls = [f for f in box.calls if not f.done()]
             wait = bool(box.calls) and (len(box.calls) >= _IN_FLIGHT or bool(box.queued))
             if wait:
-                box.queued.append((*item, message.error))
+                box.queued.append(item)
                 if not box.waiting:  # the oldest call's acknowledgement sends the outbox
                     box.waiting, oldest = True, box.calls[0]
         if not wait:  # the common case: one call, and no Python runs when it is acknowledged
-            self._track(dst, self._call(dst, [(*item, message.error)]))
+            self._track(dst, self._call(dst, [item]))
         elif oldest is not None:
             oldest.add_done_callback(lambda _: self._drain(dst))
 
@@ -282,10 +285,7 @@ class RPCTransport(Transport):
             failed, self._failed = self._failed, []
         if failed:
             dst, e = failed[0]
-            raise TransportTimeout(
-                f"rank {self.rank} could not deliver a message to rank {dst} (RPC worker "
-                f"{self.worker_map[dst]!r}): {str(e).splitlines()[0] if str(e) else e!r}"
-            ) from e
+            raise self._undelivered(dst, e) from e
         if not futures:
             return
         delivered = threading.Event()
@@ -300,10 +300,14 @@ class RPCTransport(Transport):
             try:
                 future.wait()
             except Exception as e:
-                raise TransportTimeout(
-                    f"rank {self.rank} could not deliver a message to rank {dst} (RPC worker "
-                    f"{self.worker_map[dst]!r}): {str(e).splitlines()[0] if str(e) else e!r}"
-                ) from e
+                raise self._undelivered(dst, e) from e
+
+    def _undelivered(self, dst: int, error: BaseException) -> TransportTimeout:
+        text = str(error).splitlines()[0] if str(error) else repr(error)
+        return TransportTimeout(
+            f"rank {self.rank} could not deliver a message to rank {dst} (RPC worker "
+            f"{self.worker_map[dst]!r}): {text}"
+        )
 
     def close(self) -> None:
         _Post.remove(self.name)
