@@ -16,7 +16,7 @@ from .lazy import LazyModule
 from .partition import Layer
 from .precision import DTYPES
 from .recompute import POLICIES
-from .schedule import NAMES, Plan, PlanError, build, gpipe, stage_owners, validate
+from .schedule import NAMES, Kind, Plan, PlanError, build, gpipe, stage_owners, validate
 from .trace import TraceWriter
 from .transport import Transport, TransportTimeout
 
@@ -114,6 +114,17 @@ def check_arguments(
         except PlanError as e:
             problems.append(f"the schedule plan is not valid: {e}")
             kinds.append(ValueError)
+        else:
+            if not any(
+                a is not None and a.kind is Kind.BACKWARD for r in schedule.values() for a in r
+            ):
+                problems.append(
+                    "the schedule plan has no backward actions, so pipe.step() would train "
+                    "nothing; give each forward its backward (a B action after it on the same "
+                    "rank; inference with pipe(input) under torch.no_grad() runs the plan's "
+                    "forwards only)"
+                )
+                kinds.append(ValueError)
     elif schedule not in NAMES:
         problems.append(
             f"schedule must be one of {', '.join(NAMES)} or a plan {{rank: [Action, ...]}} "

@@ -160,11 +160,19 @@ class Compute:
         given: Grads = ()
         if seg == self.last and work.loss_fn is not None:
             loss = work.losses.pop(i) * (work.loss_scale / work.microbatches)
+            if not loss.requires_grad:
+                raise RuntimeError(
+                    f"the loss of micro-batch {i} does not require grad, so no gradient can "
+                    f"flow from it, as the plain model's backward would say: loss_fn must "
+                    f"compute it from its output argument with autograd on (no .detach(), "
+                    f".item() or torch.no_grad() inside), and some layer must have "
+                    f"parameters that require grad"
+                )
             if split:
                 wanted = [o for o in out if o.requires_grad]
                 found = dict(zip(map(id, wanted), torch.autograd.grad(loss, wanted)))
                 given = tuple(found.get(id(o)) for o in out)
-            elif loss.requires_grad:
+            else:
                 roots, grads = [loss], [None]
         else:
             if seg == self.last:

@@ -26,7 +26,7 @@ from .microbatch import Tensors
 from .schedule import Action, Kind, Plan, forward_only, lower, validate
 from .schedule.messages import misordered_pair, settle_points
 from .skip.routes import SkipRoutes
-from .transport import Message, PendingRecv, Transport, TransportTimeout
+from .transport import Message, PeerLost, PendingRecv, Transport, TransportTimeout
 from .work import Grads, Work
 
 __all__: list[str] = []
@@ -222,27 +222,71 @@ class Runtime(Compute):
             failure, original = e, e
         except Exception as e:
             failed = Action.parse(current) if current not in ("", "prepare") else None
-            if failed is not None and failed.kind.is_recv and isinstance(e, _PEER_ERRORS):
-                failure, original = self._silent_peer(failed, e), e
-            elif failed is not None:
-                text = (
-                    f"stage {failed.stage} failed in {current} (micro-batch "
-                    f"{failed.microbatch}) on rank {self.rank}: {type(e).__name__}: {e}"
-                )
-            elif current == "prepare":
-                text = f"rank {self.rank} rejected its arguments: {type(e).__name__}: {e}"
-            else:
-                text = f"rank {self.rank} failed before its first action: {type(e).__name__}: {e}"
-            if failure is None:
-                stage = failed.stage if failed else -1
-                mb = failed.microbatch if failed else -1
-                failure, original = Failed(text, stage, mb, current, self.rank), e
+            found = self._peer_failure(failed, current, e) if isinstance(e, _PEER_ERRORS) else None
+            failure, original = found or self._own_failure(failed, current, e), e
         if failure is not None:
             self._notify(failure)
         self._finish(work, failure, original)
         seconds = time.perf_counter() - start
         assert work is not None
         return work, StepReport(seconds, busy, events, start, work.peak)
+
+    def _own_failure(self, action: Action | None, current: str, error: Exception) -> Failed:
+        """This rank's failure: ``error`` came while it ran ``action`` (``current``: its text,
+        or "prepare", or "" before any action)."""
+        what = f"{type(error).__name__}: {error}"
+        if action is not None:
+            text = (
+                f"stage {action.stage} failed in {current} (micro-batch {action.microbatch}) on "
+                f"rank {self.rank}: {what}"
+            )
+            return Failed(text, action.stage, action.microbatch, current, self.rank)
+        if current == "prepare":
+            text = f"rank {self.rank} rejected its arguments: {what}"
+        else:
+            text = f"rank {self.rank} failed before its first action: {what}"
+        return Failed(text, -1, -1, current, self.rank)
+
+    def _peer_failure(self, action: Action | None, current: str, error: Exception) -> Failed | None:
+        """The failure to report when ``error`` (a timeout, or a lost connection) came while
+        this rank ran ``action`` (``current``: its text): the peer's own news of its failure
+        where the peer sent it before it went, else the peer named as silent or gone (None:
+        nothing better than ``error`` itself is known)."""
+        peer = error.peer if isinstance(error, PeerLost) else None
+        if peer is None and action is not None and action.peer is not None:
+            peer = self.owners[action.peer]
+        if peer is not None and isinstance(error, ConnectionError):
+            news = self._news_of(peer)
+            if news is not None and news[1] != _OK:
+                stage, mb, rank, code = (int(v) for v in news[2:5] + news[8:9])
+                text = f"{_where(stage, mb, rank, code)} (see that rank's error for the cause)"
+                owed = str(Action(stage, _KINDS[code], mb)) if code >= 0 and stage >= 0 else ""
+                text += f"; rank {self.rank} lost its connection to rank {peer} in {current}"
+                return Failed(text, stage, mb, owed, rank, peer)
+        waited = action.peer if action is not None and action.kind.is_recv else None
+        if action is not None and waited is not None and peer == self.owners[waited]:
+            return self._silent_peer(action, error)
+        if isinstance(error, PeerLost):
+            stage = self.owners.index(peer) if peer in self.owners else -1
+            text = (
+                f"rank {peer} (stage {stage}) is gone: rank {self.rank} lost its connection to "
+                f"it {f'in {current}' if current else 'as its step began'} ({error}); rank "
+                f"{peer} crashed or was killed, see its own log for the cause"
+            )
+            mb = action.microbatch if action is not None else -1
+            return Failed(text, stage, mb, current, error.peer)
+        return None
+
+    def _news_of(self, peer: int) -> list[float] | None:
+        """The end-of-step news of ``peer`` if it came before ``peer`` went (its receive was
+        posted; a moment's wait at most), else None."""
+        pending = self._statuses.get(peer)
+        if pending is None:
+            return None
+        try:
+            return pending.wait(min(self.timeout, _NEWS_SECONDS / 4)).values(peer, "status")
+        except Exception:
+            return None
 
     def _silent_peer(self, action: Action, error: Exception) -> Failed:
         """The failure of a peer that died or fell silent while this rank waited in ``action``
@@ -298,7 +342,11 @@ class Runtime(Compute):
         status += [float(_rows(work.inputs)), float(_rows(work.targets))] if work else [-1.0] * 2
         status.append(float(_kind_code(failure.action)) if failure is not None else -1.0)
         news = Message(0, 0, (torch.tensor(status, dtype=torch.float64, device=self.device),))
-        self._post_statuses()
+        try:
+            self._post_statuses()
+        except Exception:
+            if failure is None:
+                raise
         for peer in range(self.transport.world_size):
             if peer == self.rank:
                 continue
@@ -334,10 +382,9 @@ class Runtime(Compute):
         if broken:
             stage, mb, rank, code = (int(v) for v in broken[0][2:5] + broken[0][8:9])
             action = str(Action(stage, _KINDS[code], mb)) if code >= 0 and stage >= 0 else ""
-            where = f"in {action} (micro-batch {mb})" if action else f"at micro-batch {mb}"
             raise StageFailure(
-                f"stage {stage} failed {where} on rank {rank} (see that rank's error for the "
-                f"cause); rank {self.rank} finished its own work",
+                f"{_where(stage, mb, rank, code)} (see that rank's error for the cause); rank "
+                f"{self.rank} finished its own work",
                 rank=rank,
                 stage=stage,
                 microbatch=mb,
@@ -500,6 +547,14 @@ class Runtime(Compute):
                 work.skip_back.pop((seg, i), None)
         peer, channel = self.channel(action)
         self.transport.send(peer, channel, Message(i, work.microbatches, grads))
+
+
+def _where(stage: int, microbatch: int, rank: int, code: int) -> str:
+    """Where a step failed, from a rank's end-of-step news (``code``: the failed action's
+    kind, -1 where none or unknown)."""
+    action = str(Action(stage, _KINDS[code], microbatch)) if code >= 0 and stage >= 0 else ""
+    where = f"in {action} (micro-batch {microbatch})" if action else f"at micro-batch {microbatch}"
+    return f"stage {stage} failed {where} on rank {rank}"
 
 
 def _check_posting_order(plan: Plan) -> None:

@@ -1,9 +1,11 @@
 """A three-stage training job in which stage 1 fails in a chosen way at its second step.
 
 Run as ``python failure_job.py MODE TIMEOUT`` on ranks set up like torchrun's (see
-``launch.run_processes``); MODE is forward, backward, loss, optimizer, kill or sleep. Every rank
-prints one line ``RESULT {json}`` describing how its job ended, then lets the error end the
-process (a non-zero exit code).
+``launch.run_processes``); MODE is forward, backward, loss, optimizer, kill, sleep, exit (rank 0
+ends its process between two steps) or late_send (forward under 1F1B, while the last stage's
+backward of micro-batch 0 takes long enough that stage 1 is gone before that backward's
+gradient is sent to it). Every rank prints one line ``RESULT {json}`` describing how its job
+ended, then lets the error end the process (a non-zero exit code).
 """
 
 from __future__ import annotations
@@ -41,6 +43,13 @@ class Faulty(nn.Module):
         if now and self.mode == "sleep":
             time.sleep(10**6)
         out = self.lin(x)
+        if self.mode == "slow" and self.step == FAILING_STEP and self.calls == 1:
+
+            def slow(grad: Tensor) -> Tensor:
+                time.sleep(4)  # the failed stage 1 ends its process meanwhile
+                return grad
+
+            out.register_hook(slow)
         if now and self.mode == "backward":
 
             def fail(grad: Tensor) -> Tensor:
@@ -53,10 +62,14 @@ class Faulty(nn.Module):
 def main(mode: str, timeout: float) -> None:
     rank = int(os.environ["RANK"])
     torch.manual_seed(0)
-    faulty = Faulty(mode)
-    model = nn.Sequential(nn.Linear(8, 8), faulty, nn.Linear(8, 8))
+    faulty = Faulty("forward" if mode == "late_send" else mode)
+    last = Faulty("slow" if mode == "late_send" else "")
+    model = nn.Sequential(nn.Linear(8, 8), faulty, last)
     asyncpipe.init(backend="gloo")
-    pipe = asyncpipe.AsyncPipe(model, [1, 1, 1], chunks=4, checkpoint="never", timeout=timeout)
+    schedule = "1f1b" if mode == "late_send" else "gpipe"
+    pipe = asyncpipe.AsyncPipe(
+        model, [1, 1, 1], chunks=4, checkpoint="never", timeout=timeout, schedule=schedule
+    )
     optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
     calls = 0
 
@@ -77,6 +90,11 @@ def main(mode: str, timeout: float) -> None:
     try:
         for step in range(STEPS):
             faulty.step, faulty.calls, calls = step, 0, STEPS * 4 if step else 0
+            last.step, last.calls = step, 0
+            if mode == "exit" and step == FAILING_STEP:
+                if rank == 0:
+                    os._exit(1)
+                time.sleep(2)  # rank 0 is gone before this step posts its first receive
             began = time.monotonic()
             x, y = torch.randn(8, 8), torch.randn(8, 8)
             pipe.step(x, y, loss_fn)

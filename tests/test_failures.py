@@ -30,6 +30,9 @@ CASES = {
     "loss": (2, "injected loss failure", "stage 2 failed in 2F1"),
     "optimizer": (1, "injected optimizer hook failure", "rank 1 (stage 1) is gone"),
     "kill": (1, None, "rank 1 (stage 1) is gone"),
+    "exit": (0, None, "rank 0 (stage 0) is gone"),
+    # stage 2 finds stage 1 gone as it sends; stage 1's news names the cause
+    "late_send": (1, "injected forward failure", "stage 1 failed in 1F1 (micro-batch 1)"),
     "sleep": (
         1,
         None,
@@ -43,8 +46,8 @@ def test_a_failure_ends_every_rank_with_a_clear_error(mode: str) -> None:
     culprit, own, others = CASES[mode]
     ended = run_processes(JOB, 3, mode, TIMEOUT, timeout=120)
     for process in ended:
-        if process.rank == culprit and mode == "kill":
-            assert process.code == -9
+        if process.rank == culprit and mode in ("kill", "exit"):
+            assert process.code == (-9 if mode == "kill" else 1)
             continue
         if process.rank == culprit and mode == "sleep":
             assert process.code is None, "the sleeping rank should still sleep"
@@ -60,4 +63,6 @@ def test_a_failure_ends_every_rank_with_a_clear_error(mode: str) -> None:
         assert result["failed_rank"] == culprit and result["stage"] == culprit, result
         if own is not None and mode in ("forward", "loss"):  # relayed with its text
             assert own in result["text"], result
+        if mode == "late_send" and process.rank == 2:
+            assert "lost its connection to rank 1 in 2SEND_B0->1" in result["text"], result
         assert "Traceback" not in result["text"] and "pair.cc" not in result["text"], result

@@ -108,6 +108,12 @@ def test_invalid_custom_plan_fails_in_the_constructor() -> None:
         AsyncPipe(mlp(2), [1, 1], schedule=plan, transport=_dummy(2))
 
 
+def test_custom_plan_without_backwards_fails_in_the_constructor() -> None:
+    plan = {0: [Action.parse("0F0")], 1: [Action.parse("1F0")]}
+    with pytest.raises(ValueError, match="plan has no backward actions, so pipe.step"):
+        AsyncPipe(mlp(2), [1, 1], schedule=plan, transport=_dummy(2))
+
+
 def test_named_schedule_refuses_layers_reused_across_stages() -> None:
     a, b, c = nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)
     with pytest.raises(ValueError, match="schedule '1f1b' needs each rank to run one consecutive"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from models import mlp
+from threads import run_threads
 from torch import nn
 
 import asyncpipe
@@ -130,6 +131,29 @@ def test_bad_inputs_on_a_single_rank(value: object, match: str) -> None:
     pipe = AsyncPipe(mlp(2), [2], transport=transport(1))
     with pytest.raises((TypeError, ValueError), match=match):
         pipe.step(value, torch.zeros(2, 8), nn.functional.mse_loss)
+
+
+@pytest.mark.parametrize(
+    "schedule,checkpoint",
+    [("gpipe", "never"), ("gpipe", "always"), ("1f1b", "except_last"), ("zero_bubble", "never")],
+)
+def test_a_loss_without_grad_fails_the_step_as_the_plain_backward_would(
+    schedule: str, checkpoint: str
+) -> None:
+    def detached(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(out, target).detach()
+
+    def job(rank: int, transport: asyncpipe.transport.Transport) -> float:
+        pipe = AsyncPipe(
+            mlp(4), [2, 2], chunks=2, checkpoint=checkpoint, schedule=schedule, transport=transport
+        )
+        return pipe.step(torch.randn(4, 8), torch.randn(4, 8), detached)
+
+    results = run_threads(job, 2)
+    assert all(kind == "error" for kind, _ in results), results
+    text = str(results[1][1])
+    assert "stage 1 failed in 1B" in text and "does not require grad" in text, text
+    assert "the plain model's backward" in text
 
 
 def test_single_rank_pipeline_matches_plain_model() -> None:

@@ -1,7 +1,7 @@
 """Transports: one interface, several carriers (point-to-point, shared memory, RPC,
 in-process)."""
 
-from .base import GroupTransport, Message, PendingRecv, Transport, TransportTimeout
+from .base import GroupTransport, Message, PeerLost, PendingRecv, Transport, TransportTimeout
 from .inprocess import InProcessHub, InProcessTransport
 from .p2p import P2PTransport
 from .rpc import RPCTransport
@@ -13,6 +13,7 @@ __all__ = [
     "InProcessTransport",
     "Message",
     "P2PTransport",
+    "PeerLost",
     "PendingRecv",
     "RPCTransport",
     "ShmTransport",

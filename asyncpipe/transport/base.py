@@ -15,6 +15,15 @@ class TransportTimeout(TimeoutError):
     """A receive did not finish in time; the message names the peer."""
 
 
+class PeerLost(ConnectionError):
+    """The process of pipeline rank ``peer`` is gone (its connection closed, or it exited);
+    the message names it and what this rank was doing."""
+
+    def __init__(self, text: str, peer: int) -> None:
+        super().__init__(text)
+        self.peer = peer
+
+
 @dataclass(frozen=True)
 class Message:
     """Tensors of one micro-batch crossing a stage boundary, or a failure notice.

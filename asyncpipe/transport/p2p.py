@@ -29,6 +29,7 @@ transport's device.
 from __future__ import annotations
 
 import datetime
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..group import GroupRef
-from .base import GroupTransport, Message, PendingRecv, TransportTimeout
+from .base import GroupTransport, Message, PeerLost, PendingRecv, TransportTimeout
 from .frame import (
     EARLY,
     HEADER_BYTES,
@@ -50,10 +51,13 @@ from .frame import (
     kinds,
     pack,
 )
-from .p2p_recv import _Expected, _Lane, _P2PRecv
+from .p2p_recv import _Expected, _gist, _Lane, _P2PRecv
 
 __all__: list[str] = []
 
+
+_CLOSED = re.compile(r"closed|reset by peer|broken pipe|refused", re.IGNORECASE)
+"""What the backends' errors say when the connection to a peer is gone."""
 
 _SPARE_BUFFERS = 32
 """Packed buffers of one size kept for reuse once their sends completed (a fresh buffer's
@@ -207,19 +211,36 @@ class P2PTransport(GroupTransport):
         """Send ``tensor`` (``plain``: known not to be complex, a packed buffer)."""
         peer = key[0]
         work: dist.Work | None
-        if self._direct:  # pipeline rank = rank in either group
-            wire = tensor if plain or not tensor.is_complex() else torch.view_as_real(tensor)
-            work = self.group_to(peer).send([wire], peer, tag)
-        else:
-            work = dist.isend(tensor, self.global_rank(peer), group=self.group_to(peer), tag=tag)
+        try:
+            if self._direct:  # pipeline rank = rank in either group
+                wire = tensor if plain or not tensor.is_complex() else torch.view_as_real(tensor)
+                work = self.group_to(peer).send([wire], peer, tag)
+            else:
+                group = self.group_to(peer)
+                work = dist.isend(tensor, self.global_rank(peer), group=group, tag=tag)
+        except RuntimeError as e:
+            self._lost(peer, "sending to it", e)
+            raise
         self._pending.setdefault(key, []).append((work, tensor))
+
+    def _lost(self, peer: int, what: str, error: RuntimeError) -> None:
+        """Raise a PeerLost for ``error`` from a send or a receive's posting where the backend
+        found the connection to ``peer`` closed (its process is gone)."""
+        text = str(error)
+        if _CLOSED.search(text):
+            lost = PeerLost(f"rank {self.rank} lost rank {peer} while {what}: {_gist(text)}", peer)
+            raise lost from error
 
     def irecv(self, buffer: Tensor, src: int, tag: int) -> dist.Work | None:
         """Post a receive of ``buffer`` from pipeline rank ``src``."""
-        if self._direct:
-            wire = torch.view_as_real(buffer) if buffer.is_complex() else buffer
-            return self.group_from(src).recv([wire], src, tag)
-        return dist.irecv(buffer, self.global_rank(src), group=self.group_from(src), tag=tag)
+        try:
+            if self._direct:
+                wire = torch.view_as_real(buffer) if buffer.is_complex() else buffer
+                return self.group_from(src).recv([wire], src, tag)
+            return dist.irecv(buffer, self.global_rank(src), group=self.group_from(src), tag=tag)
+        except RuntimeError as e:
+            self._lost(src, "posting a receive from it", e)
+            raise
 
     def _layout(
         self, message: Message, payload: Sequence[Tensor | None]

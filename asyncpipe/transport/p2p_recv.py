@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .base import Message, PendingRecv, TransportTimeout
+from .base import Message, PeerLost, PendingRecv, TransportTimeout
 from .frame import (
     DTYPES,
     EARLY,
@@ -181,8 +181,9 @@ class _P2PRecv(PendingRecv):
                     f"{self.src}; that rank is slow, stuck or gone (raise the pipeline's timeout "
                     f"if its work really takes longer)"
                 ) from e
-            raise ConnectionError(
-                f"rank {me} lost rank {self.src} while waiting for {what}: {_gist(text)}"
+            raise PeerLost(
+                f"rank {me} lost rank {self.src} while waiting for {what}: {_gist(text)}",
+                self.src,
             ) from e
 
     def post_early(self) -> None:

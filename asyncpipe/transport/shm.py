@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..group import GroupRef
-from .base import GroupTransport, Message, PendingRecv, TransportTimeout
+from .base import GroupTransport, Message, PeerLost, PendingRecv, TransportTimeout
 from .frame import (
     ERROR,
     HEADER_SIZE,
@@ -523,8 +523,10 @@ class ShmTransport(GroupTransport):
     def _alive(self, peer: int, what: str) -> None:
         pid = self._pids[peer]
         if pid and not alive(pid):
-            raise ConnectionError(
-                f"rank {self.rank} lost rank {peer} (process {pid} exited) while waiting for {what}"
+            raise PeerLost(
+                f"rank {self.rank} lost rank {peer} (process {pid} exited) while waiting for "
+                f"{what}",
+                peer,
             )
 
     # -- completion --------------------------------------------------------------------------
