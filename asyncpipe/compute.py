@@ -59,7 +59,7 @@ class Compute:
     ) -> tuple[Tensors, Skips]:
         """Run segment ``seg`` on ``x``; return its outputs and the skips it stashed for other
         segments."""
-        value: object = unwrap(x)
+        value: object = unwrap(x, (seg - 1, i) in work.tuples)
         split = (seg, i) in work.split and torch.is_grad_enabled()
         tracker = SkipTracker(skips, self.routes.crossing(seg), cut=split)
         precision = (
@@ -74,19 +74,22 @@ class Compute:
                 for layer in self.segments[seg]:
                     value = layer(value)
             out = as_tensors(value, f"the output of stage {seg}")
+            if len(out) == 1 and isinstance(value, (tuple, list)):
+                work.tuples.add((seg, i))
             if seg == self.last and work.train and work.loss_fn is not None:
                 # under autocast too, as torch.amp asks: the loss then runs in float32 where
                 # autocast's lists say so (mse_loss of a bfloat16 output and a float32 target)
-                work.losses[i] = self._loss(work, out, i)
+                work.losses[i] = self._loss(work, out, i, (seg, i) in work.tuples)
         return out, tracker.outgoing
 
     @staticmethod
-    def _loss(work: Work, out: Tensors, i: int) -> Tensor:
-        """The loss of micro-batch ``i`` from the last stage's output ``out``."""
+    def _loss(work: Work, out: Tensors, i: int, single: bool) -> Tensor:
+        """The loss of micro-batch ``i`` from the last stage's output ``out`` (``single``: a
+        tuple of one tensor, which ``loss_fn`` gets as that tuple)."""
         assert work.loss_fn is not None
         target = None if work.targets is None else unwrap(work.targets[i])
         try:
-            loss = work.loss_fn(unwrap(out), target)
+            loss = work.loss_fn(unwrap(out, single), target)
         except Exception as e:
             hint = loss_hint(out, None if work.targets is None else work.targets[i])
             if hint is None:

@@ -47,20 +47,28 @@ class _GatherOutputs(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, pipe: AsyncPipe, sizes: list[int], phony: Tensor, *outputs: Tensor
+        ctx: Any,
+        pipe: AsyncPipe,
+        sizes: list[int],
+        scalars: list[bool],
+        phony: Tensor,
+        *outputs: Tensor,
     ) -> Any:
-        ctx.pipe, ctx.sizes = pipe, sizes
+        ctx.pipe, ctx.sizes, ctx.scalars = pipe, sizes, scalars
         return tuple(o.detach().clone() for o in outputs)
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor) -> Any:
         pipe: AsyncPipe = ctx.pipe
-        split = [torch.split(g, ctx.sizes) if g is not None else None for g in grads]
+        split = [
+            None if g is None else g.unbind(0) if scalar else torch.split(g, ctx.sizes)
+            for g, scalar in zip(grads, ctx.scalars)
+        ]
         per_mb: list[tuple[Tensor | None, ...]] = [
             tuple(None if s is None else s[i] for s in split) for i in range(len(ctx.sizes))
         ]
         pipe._backward_phase(per_mb)
-        return (None, None, None) + (None,) * len(grads)
+        return (None, None, None, None) + (None,) * len(grads)
 
 
 class ManualBackward:
@@ -125,17 +133,20 @@ class ManualBackward:
         work = self._run(prepare, _is_forward if train else None)
         last = self._last_segment if self.is_last_stage else max(self._runtime.segments)
         outputs = [work.outputs[(last, i)] for i in range(work.microbatches)]
+        single = (last, 0) in work.tuples  # a tuple of one tensor stays one
         if not train:
             self._traced(work, None)
-            return unwrap(gather(outputs))
+            return unwrap(gather(outputs), single)
         self._pending = work
         if not self.is_last_stage:
-            return unwrap(gather([tuple(t.detach() for t in out) for out in outputs]))
-        sizes = [out[0].shape[0] for out in outputs]
+            return unwrap(gather([tuple(t.detach() for t in out) for out in outputs]), single)
+        scalars = [t.dim() == 0 for t in outputs[0]]  # stacked by gather, one per micro-batch
+        batched = scalars.index(False) if False in scalars else None
+        sizes = [1 if batched is None else out[batched].shape[0] for out in outputs]
         joined = gather([tuple(t.detach() for t in out) for out in outputs])
         phony = torch.empty(0, requires_grad=True)  # makes the output ask for gradients
-        joined_out = _GatherOutputs.apply(self, sizes, phony, *joined)  # type: ignore[no-untyped-call]
-        return unwrap(joined_out)
+        joined_out = _GatherOutputs.apply(self, sizes, scalars, phony, *joined)  # type: ignore[no-untyped-call]
+        return unwrap(joined_out, single)
 
     def _backward_phase(self, output_grads: list[tuple[Tensor | None, ...]] | None) -> None:
         work, self._pending = self._pending, None

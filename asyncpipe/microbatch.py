@@ -60,6 +60,11 @@ def scatter(batch: Tensors, chunks: int, what: str = "input") -> list[Tensors]:
 
 
 def gather(outputs: Sequence[Tensors]) -> Tensors:
-    """Concatenate per-micro-batch outputs along dim 0 (the inverse of :func:`scatter`)."""
+    """Concatenate per-micro-batch outputs along dim 0 (the inverse of :func:`scatter`); a
+    tensor without dimensions (say, an auxiliary loss) is stacked, one entry per micro-batch."""
     width = len(outputs[0])
-    return tuple(torch.cat([out[n] for out in outputs], dim=0) for n in range(width))
+    return tuple(_join([out[n] for out in outputs]) for n in range(width))
+
+
+def _join(parts: list[Tensor]) -> Tensor:
+    return torch.stack(parts) if parts[0].dim() == 0 else torch.cat(parts, dim=0)

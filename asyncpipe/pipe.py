@@ -477,7 +477,7 @@ class AsyncPipe(DelayedUpdates, ManualBackward, nn.Module):
                 microbatches = len(targets)
             assert microbatches is not None
             policy = self.checkpoint if self.training else "never"
-            return Work(
+            work = Work(
                 microbatches,
                 train,
                 inputs=inputs,
@@ -488,6 +488,9 @@ class AsyncPipe(DelayedUpdates, ManualBackward, nn.Module):
                 send_dtype=self.autocast if self.reduce_activations else None,
                 loss_scale=self.scaler.scale if self.scaler and loss_fn is not None else 1.0,
             )
+            if inputs and isinstance(input, (tuple, list)) and len(input) == 1:
+                work.tuples.update((-1, i) for i in range(microbatches))  # as nn.Sequential
+            return work
 
         return prepare
 

@@ -508,6 +508,8 @@ class Runtime(Compute):
                 tensors, skips = tensors[: len(tensors) - len(keys)], tensors[-len(keys) :]
                 work.skip_feed.setdefault(key, {}).update(zip(keys, skips))
             if action.peer == action.stage - 1:
+                if tensors and tensors[-1] is None:  # see send_forward
+                    work.tuples.add((action.peer, action.microbatch))
                 work.feed[key] = tuple(t for t in tensors if t is not None)
         else:
             keys = self.routes.outgoing.get(action.stage, {}).get(action.peer, ())
@@ -523,6 +525,8 @@ class Runtime(Compute):
         seg, i = action.stage, action.microbatch
         assert action.peer is not None
         out: Grads = work.outputs[(seg, i)] if action.peer == seg + 1 else ()
+        if out and (seg, i) in work.tuples:  # a trailing None: the output was a tuple of one
+            out = (*out, None)
         keys = self.routes.outgoing.get(seg, {}).get(action.peer, ())
         if keys:
             stashed = work.skip_out[(seg, i)]

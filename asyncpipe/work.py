@@ -22,9 +22,10 @@ Skips = dict[SkipKey, Tensor | None]
 LossFn = Callable[[object, object], Tensor]
 
 
-def unwrap(tensors: Tensors) -> object:
-    """A single tensor as itself, several as a tuple: what the next layer is called with."""
-    return tensors[0] if len(tensors) == 1 else tensors
+def unwrap(tensors: Tensors, single: bool = False) -> object:
+    """What the next layer is called with: a single tensor as itself, several as a tuple, and
+    a ``single`` tuple of one tensor as that tuple (as ``nn.Sequential`` would pass it)."""
+    return tensors[0] if len(tensors) == 1 and not single else tensors
 
 
 def leaves(tensors: Sequence[Tensor]) -> Tensors:
@@ -74,6 +75,9 @@ class Work:
     skip_out: dict[tuple[int, int], Skips] = field(default_factory=dict)
     skip_grads: dict[tuple[int, int], Skips] = field(default_factory=dict)
     skip_back: dict[tuple[int, int], Skips] = field(default_factory=dict)
+    tuples: set[tuple[int, int]] = field(default_factory=set)
+    """(segment, micro-batch) whose output was a tuple (or list) of one tensor, which the next
+    segment's first layer (or ``loss_fn``) gets as that tuple; segment -1: the input."""
     loss_sum: float = 0.0
     loss_parts: list[Tensor] = field(default_factory=list)
     """Micro-batch losses not yet added to ``loss_sum`` (see :meth:`local_loss`)."""

@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 import torch
-from models import mlp, reference
+from models import Boxed, Unboxed, UsesAux, WithAux, mlp, reference
 from torch import Tensor, nn
 
 from asyncpipe import AsyncPipe, LazyModule, StageFailure
@@ -526,4 +526,82 @@ def large_steps(rank: int, world: int, schedules: tuple[str, ...]) -> Any:
         transport = pipe.transport
         assert isinstance(transport, P2PTransport)
         out[schedule].append((float(len(transport.records)), 0.0))  # slots that post early
+    return out
+
+
+def one_tuples(rank: int, world: int, transport: str = "p2p") -> Any:
+    """Layers that pass tuples of one tensor (and one that takes the input as such a tuple, and
+    a last one that gives ``loss_fn`` such a tuple) across stage boundaries, under several
+    schedules and checkpoint policies: how far loss, gradients and inference are from the plain
+    model, which hands each layer what the one before returned."""
+    torch.manual_seed(0)
+    x, y = torch.randn(6, 8), torch.randn(6, 8)
+
+    def loss_fn(out: tuple[Tensor], target: Tensor) -> Tensor:
+        return mse(out[0], target)
+
+    out: dict[str, tuple[float, float, float]] = {}
+    cases = [
+        ("gpipe", "never", [2, 2]),
+        ("1f1b", "always", [2, 2]),
+        ("zero_bubble", "except_last", [2, 2]),
+        ("interleaved", "always", [1] * 2 * world),
+    ]
+    for schedule, policy, balance in cases:
+        torch.manual_seed(1)
+        model = nn.Sequential(*[Unboxed() if n % 2 == 0 else Boxed() for n in range(sum(balance))])
+        plain = copy.deepcopy(model)
+        want_loss = 0.0
+        for px, py in zip(x.chunk(2), y.chunk(2)):
+            loss = loss_fn(plain((px,)), py) / 2
+            loss.backward()
+            want_loss += float(loss.detach())
+        grads = dict(enumerate(p.grad for p in plain.parameters()))
+        virtual = len(balance) // world
+        pipe = AsyncPipe(
+            model,
+            balance,
+            chunks=2,
+            checkpoint=policy,
+            schedule=schedule,
+            virtual_stages=virtual,
+            transport=transport,
+            timeout=30,
+        )
+        loss = pipe.step((x,), y, loss_fn)
+        pipe.eval()
+        with torch.no_grad():
+            result = pipe((x,))
+            want = plain((x,))
+        inference = 0.0
+        if pipe.is_last_stage:
+            assert isinstance(result, tuple) and len(result) == 1, type(result)
+            inference = float((result[0] - want[0]).abs().max())
+        out[f"{schedule}-{policy}"] = (abs(loss - want_loss), _diff(pipe, grads, model), inference)
+    return out
+
+
+def scalar_boundary(rank: int, world: int) -> Any:
+    """``pipe(input)`` (training, then inference) where a stage's output holds a tensor without
+    dimensions: the stage before the last gets its outputs with that tensor stacked, one entry
+    per micro-batch; gradients and inference match the plain model run per micro-batch."""
+    torch.manual_seed(0)
+    x, y = torch.randn(6, 8), torch.randn(6, 8)
+    model = nn.Sequential(WithAux(), UsesAux())
+    plain = copy.deepcopy(model)
+    mse(torch.cat([plain(piece) for piece in x.chunk(2)]), y).backward()
+    pipe = AsyncPipe(model, [1, 1], chunks=2, timeout=30)
+    out: dict[str, Any] = {}
+    output = pipe(x)
+    if pipe.is_last_stage:
+        mse(output, y).backward()
+    else:
+        pipe.back_helper(output)
+        out["local"] = [tuple(t.shape) for t in output]
+    out["grads"] = _diff(pipe, dict(enumerate(p.grad for p in plain.parameters())), model)
+    pipe.eval()
+    with torch.no_grad():
+        result = pipe(x)
+        want = torch.cat([plain(piece) for piece in x.chunk(2)])
+    out["inference"] = float((result - want).abs().max()) if pipe.is_last_stage else 0.0
     return out

@@ -62,3 +62,53 @@ def bn_reference(
     grads = [p.grad.clone() for p in per_chunk.parameters()]
     stats = {k: v.clone() for k, v in whole.state_dict().items() if "running" in k or "num" in k}
     return grads, stats
+
+
+class Boxed(nn.Module):
+    """A linear layer that returns its output as a tuple of one tensor, as many library blocks
+    do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> tuple[Tensor]:
+        return (self.lin(x),)
+
+
+class Unboxed(nn.Module):
+    """A linear layer that takes a tuple of one tensor, as ``nn.Sequential`` hands it the output
+    of a :class:`Boxed` (a bare tensor is an error: indexing it would take its first row)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, value: tuple[Tensor]) -> Tensor:
+        if not isinstance(value, tuple) or len(value) != 1:
+            raise TypeError(f"Unboxed takes a tuple of one tensor (got {type(value).__name__})")
+        return torch.tanh(self.lin(value[0]))
+
+
+class WithAux(nn.Module):
+    """A linear layer that also returns a tensor without dimensions (an auxiliary loss)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        h = self.lin(x)
+        return h, (h**2).mean()
+
+
+class UsesAux(nn.Module):
+    """A linear layer that adds the auxiliary value of a :class:`WithAux` to its output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, value: tuple[Tensor, Tensor]) -> Tensor:
+        h, aux = value
+        return self.lin(h) + aux

@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 import torch
-from gloo_workers import transparency
+from gloo_workers import one_tuples, transparency
 from models import mlp, reference
 from skip_workers import skips
 from torch import Tensor, nn
@@ -26,6 +26,15 @@ def rpc_transparency(rank: int, world: int, *args: Any) -> Any:
     asyncpipe.init(rpc=True)
     try:
         return transparency(rank, world, *args, transport="rpc")
+    finally:
+        asyncpipe.shutdown()
+
+
+def rpc_one_tuples(rank: int, world: int) -> Any:
+    """``one_tuples`` over the RPC transport."""
+    asyncpipe.init(rpc=True)
+    try:
+        return one_tuples(rank, world, "rpc")
     finally:
         asyncpipe.shutdown()
 

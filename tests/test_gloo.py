@@ -15,7 +15,9 @@ from gloo_workers import (
     features,
     large_steps,
     message_sizes,
+    one_tuples,
     packed_reuse,
+    scalar_boundary,
     settle,
     transparency,
 )
@@ -204,3 +206,17 @@ def test_messages_that_match_the_channels_last_header_skip_decoding() -> None:
     # messages that have it (the micro-batch fields aside) took the short way: slot 7 has the
     # header of slot 5 (the last packed one before it; the float64 one went separate)
     assert paths == [(True, True), (True, True)] + [(True, False)] * 5 + [(True, True)]
+
+
+@pytest.mark.parametrize("transport", ["p2p", "shm"])
+def test_a_tuple_of_one_tensor_crosses_stages_as_a_tuple(transport: str) -> None:
+    for rank, errors in enumerate(run_ranks(one_tuples, 2, transport, timeout=180)):
+        for case, (loss, grads, inference) in errors.items():
+            assert max(loss, grads, inference) < 1e-6, (rank, case, loss, grads, inference)
+
+
+def test_a_stage_output_without_dimensions_is_stacked_by_pipe_forward() -> None:
+    results = run_ranks(scalar_boundary, 2, timeout=120)
+    assert results[0]["local"] == [(6, 8), (2,)], results[0]
+    for rank, result in enumerate(results):
+        assert result["grads"] < 1e-6 and result["inference"] < 1e-6, (rank, result)

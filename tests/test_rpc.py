@@ -11,6 +11,7 @@ from rpc_workers import (
     named_workers,
     outbox,
     outbox_peer_dies,
+    rpc_one_tuples,
     rpc_skips,
     rpc_transparency,
 )
@@ -31,6 +32,12 @@ def test_rpc_two_processes_every_schedule_and_policy() -> None:
     )
     check_errors(results)
     assert len(results[0]) == 2 * 2 * 3 * 3
+
+
+def test_rpc_a_tuple_of_one_tensor_crosses_stages_as_a_tuple() -> None:
+    for rank, errors in enumerate(run_ranks(rpc_one_tuples, 2, timeout=180)):
+        for case, (loss, grads, inference) in errors.items():
+            assert max(loss, grads, inference) < 1e-6, (rank, case, loss, grads, inference)
 
 
 def test_rpc_three_processes_interleaved_and_skips() -> None:
