@@ -236,6 +236,30 @@ def rpc_running() -> bool:
     return True
 
 
+def _finite(value: object) -> bool:
+    """Whether ``value`` is a finite int or float (not a bool)."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return number and math.isfinite(value)  # type: ignore[arg-type]
+
+
+def _trace_directory(path: str) -> list[str]:
+    """What keeps the trace from being written into ``path`` (nothing is created here)."""
+    if not path:
+        return ["trace must name a directory (got ''); pass e.g. trace='runs/exp1'"]
+    if os.path.exists(path) and not os.path.isdir(path):
+        return [f"trace must be a directory, but {path!r} is a file; pass another path"]
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return [
+            f"trace directory {path!r} cannot be created: {parent!r} is a file; pass another path"
+        ]
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return [f"trace directory {path!r} cannot be written: {parent!r} is not writable"]
+    return []
+
+
 def check_options(
     *,
     transport: object,
@@ -268,15 +292,20 @@ def check_options(
             "data_parallel_size > 1 builds its own process groups; pass transport='p2p', "
             "'shm' or 'rpc', not a Transport object"
         )
-    if not (isinstance(loss_scale, (int, float)) and loss_scale > 0):
-        problems.append(f"loss_scale must be a positive number (got {loss_scale!r})")
-    if not (isinstance(timeout, (int, float)) and timeout > 0):
-        problems.append(f"timeout must be a positive number of seconds (got {timeout!r})")
+    if not (_finite(loss_scale) and loss_scale > 0):  # type: ignore[operator]
+        problems.append(f"loss_scale must be a positive, finite number (got {loss_scale!r})")
+    if not (_finite(timeout) and timeout > 0):  # type: ignore[operator]
+        problems.append(
+            f"timeout must be a positive, finite number of seconds (got {timeout!r}): every "
+            f"wait fails after it, naming the peer it waited for; pass e.g. timeout=600"
+        )
     if not (trace is None or isinstance(trace, (str, os.PathLike, TraceWriter))):
         problems.append(
             f"trace must be a directory or a TraceWriter (got {type(trace).__name__}); pass "
             f"e.g. trace='runs/exp1'"
         )
+    elif isinstance(trace, (str, os.PathLike)):
+        problems += _trace_directory(os.fspath(trace))
     if not (isinstance(trace_every, int) and trace_every > 0):
         problems.append(f"trace_every must be a positive number of steps (got {trace_every!r})")
     if isinstance(transport, str):

@@ -156,6 +156,25 @@ def test_a_loss_without_grad_fails_the_step_as_the_plain_backward_would(
     assert "the plain model's backward" in text
 
 
+@pytest.mark.parametrize(
+    "options,match",
+    [
+        ({"timeout": float("inf")}, "timeout must be a positive, finite number of seconds"),
+        ({"timeout": True}, r"timeout must be .*\(got True\)"),
+        ({"timeout": 0}, "pass e.g. timeout=600"),
+        ({"loss_scale": float("inf")}, "loss_scale must be a positive, finite number"),
+        ({"trace": ""}, "trace must name a directory"),
+        ({"trace": __file__}, "is a file; pass another path"),
+        ({"trace": __file__ + "/runs"}, "cannot be created: .* is a file"),
+    ],
+)
+def test_options_that_could_only_fail_later_fail_in_the_constructor(
+    options: dict[str, object], match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        AsyncPipe(mlp(4), [2, 2], transport=transport(), **options)  # type: ignore[arg-type]
+
+
 def test_single_rank_pipeline_matches_plain_model() -> None:
     model = mlp(3)
     x, y = torch.randn(6, 8), torch.randn(6, 8)
