@@ -211,6 +211,15 @@ def test_a_failed_save_of_the_same_step_leaves_that_checkpoint(
     assert sorted(files.read_manifest(tmp_path).files) == ["stage0.step1.b.pt", "stage1.step1.b.pt"]
 
 
+def test_ranks_that_save_into_different_directories_are_told(tmp_path: Path) -> None:
+    def job(pipe: AsyncPipe, opt: Any, rank: int) -> Any:
+        with pytest.raises(RuntimeError, match=r"stage1.step0.pt are not in .* as rank 0 sees"):
+            checkpoint.save(pipe, opt, tmp_path / f"rank{rank}", step=0)
+        return sorted(os.listdir(tmp_path / f"rank{rank}"))
+
+    assert run([4, 4], job) == [["stage0.step0.pt"], ["stage1.step0.pt"]]  # no manifest
+
+
 def test_loading_refuses_what_does_not_fit(tmp_path: Path) -> None:
     def nothing_there(pipe: AsyncPipe, opt: Any, rank: int) -> Any:
         with pytest.raises(FileNotFoundError, match="no complete checkpoint"):

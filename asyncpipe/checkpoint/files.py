@@ -213,7 +213,9 @@ def save(
     Args:
         pipe: this rank's pipeline.
         optimizer: an optimizer over ``pipe.parameters()``, or None.
-        path: a directory every rank can write (created if missing).
+        path: a directory every rank can write (created if missing): the same path on every
+            rank, in a file system every rank sees (rank 0 checks that it sees every stage's
+            file before it writes the manifest).
         step: the number of steps finished, returned by :func:`load`.
         extra: a JSON value stored from rank 0 (e.g. the position of the data loader).
 
@@ -271,6 +273,12 @@ def _write_manifest(
     for part in pipe.partitions:
         names = [pipe.layer_names[inv.order] for inv in part.invocations]
         files[f"stage{part.stage}.step{step}{suffix}"] = names
+    missing = [name for name in files if not os.path.exists(os.path.join(directory, name))]
+    if missing:
+        raise FileNotFoundError(
+            f"the stage files {', '.join(missing)} are not in {directory!r} as rank 0 sees it: "
+            f"every rank must pass the same path, in a file system every rank sees"
+        )
     manifest = {
         "format": FORMAT,
         "step": step,
