@@ -382,8 +382,9 @@ def agree(
     mine = [float(zlib.crc32(repr(fields[name]).encode())) for name in names]
     try:
         table = exchange(mine)
-    except TransportTimeout as e:
-        raise TransportTimeout(
+    except (TransportTimeout, ConnectionError) as e:
+        kind = TransportTimeout if isinstance(e, TransportTimeout) else ConnectionError
+        raise kind(
             f"AsyncPipe's constructor compares its arguments across the pipeline's ranks, and "
             f"{e} (did the constructor fail on that rank, or is AsyncPipe not built there?)"
         ) from e

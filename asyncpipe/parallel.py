@@ -14,6 +14,7 @@ wait for the rest of the pipeline to finish the step.
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,7 +23,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .group import GroupRef
-from .transport import P2PTransport, RPCTransport, ShmTransport, Transport
+from .transport import P2PTransport, RPCTransport, ShmTransport, Transport, TransportTimeout
 from .transport.rpc import worker_names
 
 __all__: list[str] = []
@@ -132,11 +133,47 @@ class GradientAverager:
         return float(tensor.item())
 
 
+_NAMES = ("p2p", "shm", "rpc")
+
+
+def same_transport(name: str, device: torch.device, timeout: float) -> None:
+    """Check, in one collective over the world, that every rank builds the transport ``name``:
+    a rank building another would wait in its own set-up (shm's is collective) or for messages
+    that never come, until the timeout. Raises ValueError naming each rank's choice."""
+    where = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    mine = torch.tensor([_NAMES.index(name)], dtype=torch.int64, device=where)
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    work = dist.all_gather(everyone, mine, async_op=True)
+    try:
+        assert work is not None
+        work.wait(datetime.timedelta(seconds=timeout))
+    except RuntimeError as e:
+        raise TransportTimeout(
+            f"AsyncPipe's constructor compares the transport every rank builds, and rank "
+            f"{dist.get_rank()} waited {timeout:.1f} s for the others: did the constructor fail "
+            f"on some rank, or is AsyncPipe not built there? ({str(e).splitlines()[0]})"
+        ) from e
+    names = [_NAMES[int(t.item())] for t in everyone]
+    if len(set(names)) > 1:
+        listed = ", ".join(f"rank {rank}: {n!r}" for rank, n in enumerate(names))
+        raise ValueError(
+            f"every rank must build the same transport ({listed}); pass the same transport= "
+            f"on every rank"
+        )
+
+
 def connect(
-    transport: str | Transport, ranks: int, data_parallel_size: int, device: torch.device
+    transport: str | Transport,
+    ranks: int,
+    data_parallel_size: int,
+    device: torch.device,
+    timeout: float,
 ) -> tuple[Transport, int, dist.ProcessGroup | None]:
     """The transport of this rank's pipeline, its replica, and its data-parallel group (None
-    with one replica). ``transport`` is a name or a ready Transport (one replica only)."""
+    with one replica). ``transport`` is a name or a ready Transport (one replica only); every
+    rank of the world must name the same one (checked first)."""
+    if isinstance(transport, str):
+        same_transport(transport, device, timeout)
     layout = Layout(ranks, data_parallel_size)
     data_parallel_rank = 0
     pipeline_group = data_parallel_group = down_group = None

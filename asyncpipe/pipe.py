@@ -172,7 +172,7 @@ class AsyncPipe(DelayedUpdates, ManualBackward, nn.Module):
         ranks = len(balance) // virtual_stages
         self.data_parallel_size = int(data_parallel_size)
         transport, self.data_parallel_rank, data_parallel_group = connect(
-            transport, ranks, self.data_parallel_size, self.device
+            transport, ranks, self.data_parallel_size, self.device, float(timeout)
         )
         self._averager: GradientAverager | None = None
         if transport.world_size * virtual_stages != len(balance):
