@@ -236,6 +236,30 @@ def rpc_running() -> bool:
     return True
 
 
+def _device(device: object) -> list[str]:
+    """What is wrong with ``device`` (None: the default)."""
+    if device is None:
+        return []
+    try:
+        where = torch.device(device)  # type: ignore[call-overload]
+    except (RuntimeError, TypeError) as e:
+        return [f"device must be a torch.device or its name, e.g. 'cuda:0' ({e})"]
+    if where.type != "cuda":
+        return []
+    if not torch.cuda.is_available():
+        return [
+            f"device {str(where)!r} is a CUDA device, but this process sees no GPU (torch "
+            f"{torch.__version__}); leave device out, or pass device='cpu'"
+        ]
+    if where.index is not None and where.index >= torch.cuda.device_count():
+        return [
+            f"device {str(where)!r} does not exist: this process sees "
+            f"{torch.cuda.device_count()} GPU(s); pass one of cuda:0 to "
+            f"cuda:{torch.cuda.device_count() - 1}"
+        ]
+    return []
+
+
 def _finite(value: object) -> bool:
     """Whether ``value`` is a finite int or float (not a bool)."""
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -271,9 +295,10 @@ def check_options(
     shared_weights: bool,
     trace: object,
     trace_every: object,
+    device: object = None,
 ) -> None:
     """Every problem with AsyncPipe's keyword options at once, as one ValueError."""
-    problems = []
+    problems = _device(device)
     if autocast is not None and autocast not in DTYPES:
         problems.append(
             f"autocast must be None, torch.bfloat16 or torch.float16 (got {autocast!r})"

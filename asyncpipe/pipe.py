@@ -164,6 +164,7 @@ class AsyncPipe(DelayedUpdates, ManualBackward, nn.Module):
             shared_weights=bool(shared_weights),
             trace=trace,
             trace_every=trace_every,
+            device=device,
         )
         if device is None:
             use_cuda = dist.is_initialized() and dist.get_backend() == "nccl"

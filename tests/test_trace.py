@@ -389,10 +389,15 @@ def test_chrome_trace_of_a_literal_step() -> None:
     assert {e["cat"] for e in spans} == {"compute", "comm", "wait"}
 
 
-def test_cli_reports_a_missing_run(tmp_path: Path) -> None:
+def test_cli_reports_a_missing_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from asyncpipe.trace.__main__ import main
 
     assert main([str(tmp_path / "nothing")]) == 2
+    assert not (tmp_path / "nothing").exists()  # nothing created on the way
+    (tmp_path / "file").write_text("not a run")
+    assert main([str(tmp_path / "file")]) == 2
+    out = capsys.readouterr().err
+    assert "nothing does not exist" in out and "file is not a directory" in out, out
 
 
 def test_render_picks_a_step(tmp_path: Path) -> None:

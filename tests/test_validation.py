@@ -166,6 +166,11 @@ def test_a_loss_without_grad_fails_the_step_as_the_plain_backward_would(
         ({"trace": ""}, "trace must name a directory"),
         ({"trace": __file__}, "is a file; pass another path"),
         ({"trace": __file__ + "/runs"}, "cannot be created: .* is a file"),
+        (
+            {"device": "cuda:99"},
+            "'cuda:99' (is a CUDA device, but this process sees no GPU|does not)",
+        ),
+        ({"device": "bogus"}, "device must be a torch.device or its name"),
     ],
 )
 def test_options_that_could_only_fail_later_fail_in_the_constructor(

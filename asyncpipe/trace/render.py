@@ -80,8 +80,12 @@ def render(
         PosixPath('runs/exp1/timeline.html')
     """
     directory = Path(directory)
+    if not directory.is_dir():
+        what = "is not a directory" if directory.exists() else "does not exist"
+        raise FileNotFoundError(
+            f"{directory} {what}: pass the directory given as AsyncPipe(trace=...)"
+        )
     target = Path(out) if out is not None else directory
-    target.mkdir(parents=True, exist_ok=True)
     steps = everything = load_steps(directory)
     if not steps:
         raise ValueError(f"{directory} has no recorded steps yet; run at least one step first")
@@ -103,6 +107,9 @@ def render(
     summary = summarize(measured)
     text = _table(measured, summary)
     files = {"trace": target / "trace.json", "html": target / "timeline.html"}
+    if target.exists() and not target.is_dir():
+        raise FileNotFoundError(f"{target} is a file: pass a directory to write into")
+    target.mkdir(parents=True, exist_ok=True)
     with files["trace"].open("w") as f:
         json.dump(chrome_trace(everything[-CHROME_STEPS:]), f)  # every kind of step
     plan = plans.get(chosen.plan)
