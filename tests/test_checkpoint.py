@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 from threads import run_threads, values
+from torch import nn
 from training import batch, model, mse, optimizer, train_step
 
 from asyncpipe import AsyncPipe, checkpoint
@@ -254,6 +255,48 @@ def test_a_checkpoint_of_another_model_is_refused(tmp_path: Path) -> None:
             checkpoint.load(pipe, None, tmp_path)
 
     values(run_threads(inside, 2))
+
+
+def test_other_shapes_or_a_missing_bias_at_the_same_positions_are_named(tmp_path: Path) -> None:
+    run([4, 4], lambda pipe, opt, rank: checkpoint.save(pipe, opt, tmp_path, step=0))
+    first_layers = {
+        "wider": [nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 8), nn.Tanh()],
+        "no bias": [nn.Linear(8, 8, bias=False), nn.LayerNorm(8), nn.Linear(8, 8), nn.Tanh()],
+    }
+    words = {"wider": r"0.weight \(8, 8\) \(here \(16, 8\)\)", "no bias": r"0.bias \(none here\)"}
+    for case, first in first_layers.items():
+        net = nn.Sequential(*first, *list(model())[4:])
+
+        def fn(rank: int, transport: Transport, net: nn.Module = net, case: str = case) -> None:
+            pipe = AsyncPipe(net, [4, 4], transport=transport)
+            if rank == 0:
+                with pytest.raises(ValueError, match=f"other layers at the same .*{words[case]}"):
+                    checkpoint.load(pipe, None, tmp_path)
+            else:  # its layers are the saved ones
+                checkpoint.load(pipe, None, tmp_path)
+
+        values(run_threads(fn, 2))
+
+
+def test_a_damaged_checkpoint_is_named(tmp_path: Path) -> None:
+    run([4, 4], lambda pipe, opt, rank: checkpoint.save(pipe, opt, tmp_path, step=0))
+    stage = tmp_path / "stage1.step0.pt"
+    stage.write_bytes(stage.read_bytes()[:100])  # what a crash mid-copy leaves
+
+    def fn(rank: int, transport: Transport) -> None:
+        pipe = AsyncPipe(model(), [4, 4], transport=transport)
+        if rank == 1:
+            with pytest.raises(ValueError, match=r"stage1.step0.pt in .* cannot be read"):
+                checkpoint.load(pipe, None, tmp_path)
+
+    values(run_threads(fn, 2))
+    manifest = tmp_path / files.MANIFEST
+    manifest.write_text(manifest.read_text()[:40])
+    with pytest.raises(ValueError, match=r"manifest.json cannot be read \(JSONDecodeError"):
+        files.read_manifest(tmp_path)
+    manifest.write_text(f'{{"format": {files.FORMAT}, "step": 0}}')
+    with pytest.raises(ValueError, match=r"manifest.json is not a complete manifest \(KeyError"):
+        files.read_manifest(tmp_path)
 
 
 def test_a_stop_asked_on_one_rank_is_agreed_on_every_rank_after_the_step() -> None:

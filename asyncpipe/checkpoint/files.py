@@ -97,22 +97,30 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
             f"saved there, or the first save did not finish); save one with "
             f"asyncpipe.checkpoint.save(pipe, optimizer, path, step=...)"
         )
-    with open(where) as f:
-        data = json.load(f)
-    if data.get("format") != FORMAT:
-        raise ValueError(
-            f"{where} has format {data.get('format')!r}, this version reads format {FORMAT}"
+    try:
+        with open(where) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:  # JSONDecodeError is a ValueError
+        raise ValueError(f"{where} cannot be read ({type(e).__name__}: {e})") from e
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        found = data.get("format") if isinstance(data, dict) else type(data).__name__
+        raise ValueError(f"{where} has format {found!r}, this version reads format {FORMAT}")
+    try:
+        return Manifest(
+            step=int(data["step"]),
+            layers=tuple(data["layers"]),
+            balance=tuple(data["balance"]),
+            schedule=str(data["schedule"]),
+            chunks=int(data["chunks"]),
+            files={name: tuple(layers) for name, layers in data["files"].items()},
+            optimizer=str(data["optimizer"]),
+            extra=data.get("extra"),
         )
-    return Manifest(
-        step=int(data["step"]),
-        layers=tuple(data["layers"]),
-        balance=tuple(data["balance"]),
-        schedule=str(data["schedule"]),
-        chunks=int(data["chunks"]),
-        files={name: tuple(layers) for name, layers in data["files"].items()},
-        optimizer=str(data["optimizer"]),
-        extra=data.get("extra"),
-    )
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ValueError(
+            f"{where} is not a complete manifest ({type(e).__name__}: {e}): it was changed by "
+            f"hand or written by another program"
+        ) from e
 
 
 def _write_atomically(where: str, write: Any) -> None:
@@ -302,10 +310,18 @@ def _read(directory: str, names: set[str], manifest: Manifest) -> list[dict[str,
     out = []
     for file, layers in manifest.files.items():
         if names & set(layers):
-            content = torch.load(os.path.join(directory, file), map_location="cpu")
-            if content.get("step") != manifest.step:
+            try:
+                content = torch.load(os.path.join(directory, file), map_location="cpu")
+            except Exception as e:
                 raise ValueError(
-                    f"{file} in {directory!r} holds step {content.get('step')} but the manifest "
+                    f"{file} in {directory!r} cannot be read ({type(e).__name__}: "
+                    f"{str(e).splitlines()[0] if str(e) else ''}); the file is damaged: restore "
+                    f"it, or load another checkpoint"
+                ) from e
+            step = content.get("step") if isinstance(content, dict) else None
+            if step != manifest.step:
+                raise ValueError(
+                    f"{file} in {directory!r} holds step {step} but the manifest "
                     f"says step {manifest.step}; the checkpoint was changed by hand"
                 )
             out.append(content)
@@ -328,7 +344,9 @@ def load(
 
     Raises:
         FileNotFoundError: if ``path`` holds no complete checkpoint.
-        ValueError: if it is of another model (other layers), or of another optimizer.
+        ValueError: if it is of another model (other layers, or other shapes or parameters
+            in the same layers), or of another optimizer, or a file of it cannot be read
+            (the error names the file).
 
     Example:
         >>> start = asyncpipe.checkpoint.load(pipe, optimizer, "ckpt").step  # doctest: +SKIP
@@ -362,6 +380,23 @@ def load(
             f"the checkpoint in {directory!r} is of a model with other layers at the same "
             f"positions: it has no {missing[:4]} (it holds {held[:4]} there); load it into "
             f"the model it was saved from"
+        )
+    own = pipe.state_dict()
+    other = [
+        f"{key} {tuple(value.shape)} (here {tuple(own[key].shape)})"
+        for key, value in model.items()
+        if key in own and isinstance(value, Tensor) and value.shape != own[key].shape
+    ]
+    other += [
+        f"{key} (none here)"
+        for key in model
+        if key not in own and any(key.startswith(f"{name}.") for name in mine)
+    ]
+    if other:
+        raise ValueError(
+            f"the checkpoint in {directory!r} is of a model with other layers at the same "
+            f"positions: it holds {', '.join(other[:4])}; load it into the model it was saved "
+            f"from"
         )
     pipe.load_state_dict(model)
     if optimizer is not None:
