@@ -142,6 +142,19 @@ def driver_elsewhere(rank: int, world: int) -> Any:
     return "driver"
 
 
+def driver_everywhere(rank: int, world: int) -> Any:
+    """Every rank builds the driver: the worker ranks are refused and (as a script would) end;
+    the real driver names them as gone, instead of TensorPipe's bare "eof"."""
+    asyncpipe.init(rpc=True)
+    try:
+        asyncpipe.rpc.RemotePipe(mlp(2), [1, 1], chunks=1, timeout=20)
+    except (RuntimeError, ValueError) as e:
+        if rank != 0:
+            os._exit(1)
+        return type(e).__name__, str(e)
+    return "built", ""
+
+
 def driver_dies(rank: int, world: int) -> Any:
     """The driver process dies after building the pipeline; the workers must not hang."""
     asyncpipe.init(rpc=True)

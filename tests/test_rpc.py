@@ -8,6 +8,7 @@ from rpc_workers import (
     driver,
     driver_dies,
     driver_elsewhere,
+    driver_everywhere,
     named_workers,
     outbox,
     outbox_peer_dies,
@@ -97,3 +98,11 @@ def test_worker_names_given_to_init_reach_the_transport_driver_and_workers() -> 
     assert results[0][0] < 1e-6 and results[1][0] < 1e-6 and results[0][1] < 1e-6, results
     # and the driver refuses 2BW before building anything
     assert "RemotePipe does not run schedule='2bw'" in results[0][2]
+
+
+def test_a_driver_built_on_every_rank_names_the_workers_that_never_served() -> None:
+    results = run_ranks_raw(driver_everywhere, 2, timeout=120, may_die=True)
+    assert results[0][0] == "ok", results[0]
+    kind, text = results[0][1]
+    assert kind == "RuntimeError" and "rank 1: worker1 did not answer" in text, text
+    assert "must call asyncpipe.rpc.serve()" in text, text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -19,6 +20,12 @@ from . import stage as remote
 __all__: list[str] = []
 
 _names = itertools.count()
+
+
+def _first(error: BaseException) -> str:
+    """The first line of an RPC error, without TensorPipe's source location."""
+    line = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return line.split(" (this error originated at")[0]
 
 
 class RemotePipe:
@@ -109,11 +116,25 @@ class RemotePipe:
             for r in range(1, world)
         ]
         local = remote.build(self.name, module, self.balance, kwargs, optimizer, self.workers)
-        outcomes = [local] + [f.wait() for f in futures]
+        outcomes = [local]
+        for r, future in enumerate(futures, start=1):
+            try:
+                outcomes.append(future.wait())
+            except Exception as e:  # the worker is gone, or never served
+                outcomes.append(("gone", f"{self.workers[r]} did not answer ({_first(e)})"))
         failed = [(r, o) for r, o in enumerate(outcomes) if o[0] != "ok"]
         if failed:
             for r in range(world):
-                self._call_one(r, remote.drop)
+                with contextlib.suppress(Exception):  # a rank that is gone needs no cleaning
+                    self._call_one(r, remote.drop)
+            gone = [(r, o) for r, o in failed if o[0] == "gone"]
+            if gone:  # the cause of the others' failures (their stage waited for it)
+                listed = "; ".join(f"rank {r}: {o[1]}" for r, o in gone)
+                raise RuntimeError(
+                    f"building the stages failed: {listed}; every rank but the driver must "
+                    f"call asyncpipe.rpc.serve() and stay in it until the driver shuts down "
+                    f"(RemotePipe is built on rank 0 only)"
+                )
             rank, outcome = failed[0]
             raise ValueError(f"building the stage of rank {rank} failed: {outcome[1]}")
         self.pipe = remote.Stages.get(self.name)
