@@ -74,6 +74,13 @@ def failing_loss(output: Tensor, target: Tensor) -> Tensor:
     raise ValueError("this loss always fails")
 
 
+def failing_on_last(pipe: AsyncPipe) -> int:
+    """Run on every stage by foreach_worker: fails on the last one."""
+    if pipe.is_last_stage:
+        raise KeyError("nothing here")
+    return pipe.stage
+
+
 def driver(rank: int, world: int, schedule: str) -> Any:
     """Single-controller mode: rank 0 drives; compare with the plain model trained alike."""
     asyncpipe.init(rpc=True)
@@ -118,6 +125,10 @@ def driver(rank: int, world: int, schedule: str) -> Any:
         "state_keys": sorted(state) == sorted(plain.state_dict()),
         "output_error": float((output - want_output).abs().max()),
     }
+    try:
+        pipe.foreach_worker(failing_on_last)
+    except StageFailure as e:
+        result["foreach_failure"] = (str(e), e.stage, e.rank)
     try:
         pipe.train()
         pipe.step(batches[0][0], batches[0][1], failing_loss)

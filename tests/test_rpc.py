@@ -59,6 +59,9 @@ def test_driver_mode_trains_like_the_plain_model(world: int, schedule: str) -> N
     assert result["output_error"] < 1e-5, result
     assert f"stage {world - 1} failed" in result["failure"]
     assert "this loss always fails" in result["failure"]
+    text, stage, rank = result["foreach_failure"]
+    assert f"stage {world - 1} (rank {world - 1}) raised in failing_on_last: KeyError" in text
+    assert stage == rank == world - 1, result["foreach_failure"]
 
 
 def test_driver_only_on_rank_zero() -> None:

@@ -77,10 +77,11 @@ def run(name: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> Outcome:
         return ("ok", fn(Stages.get(name), *args))
     except StageFailure as e:
         return ("error", str(e), e.rank, e.stage, e.microbatch, e.action)
-    except Exception as e:
+    except Exception as e:  # the function itself (foreach_worker's, an optimizer's) raised
         rank = Stages.get(name).stage if name in Stages._pipes else -1
-        text = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
-        return ("error", text, rank, -1, -1, "")
+        what = getattr(fn, "__name__", repr(fn))
+        text = f"stage {rank} (rank {rank}) raised in {what}: {type(e).__name__}: {e}"
+        return ("error", f"{text}\n{traceback.format_exc()}", rank, rank, -1, what)
 
 
 def build(
