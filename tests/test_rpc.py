@@ -62,6 +62,7 @@ def test_driver_mode_trains_like_the_plain_model(world: int, schedule: str) -> N
     text, stage, rank = result["foreach_failure"]
     assert f"stage {world - 1} (rank {world - 1}) raised in failing_on_last: KeyError" in text
     assert stage == rank == world - 1, result["foreach_failure"]
+    assert "loss_fn is sent to other processes, so it must be picklable" in result["lambda"]
 
 
 def test_driver_only_on_rank_zero() -> None:

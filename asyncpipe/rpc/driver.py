@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import pickle
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,6 +21,19 @@ from . import stage as remote
 __all__: list[str] = []
 
 _names = itertools.count()
+
+
+def _sendable(fn: Callable[..., Any], what: str) -> None:
+    """Raise a TypeError with the fix if ``fn`` cannot travel to another process (RPC pickles
+    functions by reference: a lambda or a function defined inside another cannot)."""
+    try:
+        pickle.dumps(fn)
+    except Exception as e:
+        raise TypeError(
+            f"{what} is sent to other processes, so it must be picklable: a module-level "
+            f"function, or a functools.partial of one, not a lambda or a function defined "
+            f"inside another ({type(e).__name__}: {e})"
+        ) from e
 
 
 def _first(error: BaseException) -> str:
@@ -186,6 +200,8 @@ class RemotePipe:
         Example:
             >>> counts = pipe.foreach_worker(count_parameters)         # doctest: +SKIP
         """
+        if self.stages > 1:
+            _sendable(fn, "the function of foreach_worker")
         return self._each(fn, lambda r: args)
 
     # ----- the training loop ------------------------------------------------------------------
@@ -194,6 +210,8 @@ class RemotePipe:
         """Forward and backward of one mini-batch on every stage; returns the mean loss.
         ``loss_fn`` is sent to the last stage, so it must be picklable."""
         last = self.stages - 1
+        if last > 0:
+            _sendable(loss_fn, "loss_fn")
         losses = self._each(
             remote.step,
             lambda r: (input if r == 0 else None, target if r == last else None, loss_fn),
