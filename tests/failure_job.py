@@ -1,11 +1,12 @@
 """A three-stage training job in which stage 1 fails in a chosen way at its second step.
 
-Run as ``python failure_job.py MODE TIMEOUT`` on ranks set up like torchrun's (see
-``launch.run_processes``); MODE is forward, backward, loss, optimizer, kill, sleep, exit (rank 0
-ends its process between two steps) or late_send (forward under 1F1B, while the last stage's
-backward of micro-batch 0 takes long enough that stage 1 is gone before that backward's
-gradient is sent to it). Every rank prints one line ``RESULT {json}`` describing how its job
-ended, then lets the error end the process (a non-zero exit code).
+Run as ``python failure_job.py MODE TIMEOUT [TRANSPORT]`` on ranks set up like torchrun's (see
+``launch.run_processes``; the transport is p2p by default); MODE is forward, backward, loss,
+optimizer, kill, sleep, exit (rank 0 ends its process between two steps) or late_send (forward
+under 1F1B, while the last stage's backward of micro-batch 0 takes long enough that stage 1 is
+gone before that backward's gradient is sent to it). Every rank prints one line ``RESULT
+{json}`` describing how its job ended, then lets the error end the process (a non-zero exit
+code).
 """
 
 from __future__ import annotations
@@ -59,16 +60,22 @@ class Faulty(nn.Module):
         return out
 
 
-def main(mode: str, timeout: float) -> None:
+def main(mode: str, timeout: float, transport: str = "p2p") -> None:
     rank = int(os.environ["RANK"])
     torch.manual_seed(0)
     faulty = Faulty("forward" if mode == "late_send" else mode)
     last = Faulty("slow" if mode == "late_send" else "")
     model = nn.Sequential(nn.Linear(8, 8), faulty, last)
-    asyncpipe.init(backend="gloo")
+    asyncpipe.init(backend="gloo", rpc=transport == "rpc")
     schedule = "1f1b" if mode == "late_send" else "gpipe"
     pipe = asyncpipe.AsyncPipe(
-        model, [1, 1, 1], chunks=4, checkpoint="never", timeout=timeout, schedule=schedule
+        model,
+        [1, 1, 1],
+        chunks=4,
+        checkpoint="never",
+        timeout=timeout,
+        schedule=schedule,
+        transport=transport,
     )
     optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
     calls = 0
@@ -117,4 +124,4 @@ def main(mode: str, timeout: float) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], float(sys.argv[2]))
+    main(sys.argv[1], float(sys.argv[2]), *sys.argv[3:])

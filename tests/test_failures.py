@@ -66,3 +66,16 @@ def test_a_failure_ends_every_rank_with_a_clear_error(mode: str) -> None:
         if mode == "late_send" and process.rank == 2:
             assert "lost its connection to rank 1 in 2SEND_B0->1" in result["text"], result
         assert "Traceback" not in result["text"] and "pair.cc" not in result["text"], result
+
+
+def test_a_killed_rank_is_named_as_gone_over_rpc_before_the_timeout() -> None:
+    ended = run_processes(JOB, 3, "kill", "30", "rpc", timeout=120)
+    for process in ended:
+        if process.rank == 1:
+            assert process.code == -9
+            continue
+        assert process.code not in (0, None), (process.rank, process.code, process.stderr[-2000:])
+        result = report(process)
+        # before: "sent nothing ... timed out after 30.0 s": an RPC peer was only waited for
+        assert "rank 1 (stage 1) is gone" in result["text"], result
+        assert result["failed_rank"] == 1 and result["stage"] == 1, result

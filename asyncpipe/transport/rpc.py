@@ -24,6 +24,7 @@ from device to device without a trip through host memory.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,7 +33,7 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 from torch import Tensor
 
-from .base import Message, PendingRecv, Transport, TransportTimeout
+from .base import Message, PeerLost, PendingRecv, Transport, TransportTimeout
 
 __all__: list[str] = []
 
@@ -44,6 +45,10 @@ outbox, to go together in one call."""
 _BATCH = 64
 """Messages of one remote call at most (the rest of an outbox waits for the next
 acknowledgement)."""
+
+_PROBE_S = 1.0
+"""A receive that has waited this long asks the sender's process whether it is still there
+(a remote call that fails at once once that process is gone), then again every as long."""
 
 _Item = tuple[int, int, int, int, list[Tensor | None], list[bool], str | None]
 """One message on the wire: channel, sequence, micro-batch, micro-batches, tensors, their
@@ -111,6 +116,11 @@ def _deliver(name: str, src: int, items: list[_Item]) -> None:
         box.put(src, channel, sequence, message)
 
 
+def _here() -> bool:
+    """Runs on a peer that a waiting receiver asks whether it is still there."""
+    return True
+
+
 def worker_names() -> dict[int, str]:
     """The RPC worker name of each worker id (the rank :func:`asyncpipe.init` gave it), as the
     running RPC agent knows them: the names given to ``asyncpipe.init(worker_map=...)``.
@@ -149,14 +159,32 @@ class _MailboxRecv(PendingRecv):
         self.transport, self.src, self.channel, self.sequence = transport, src, channel, sequence
 
     def wait(self, timeout: float) -> Message:
-        message = self.transport._box.take(self.src, self.channel, self.sequence, timeout)
-        if message is None:
-            raise TransportTimeout(
-                f"rank {self.transport.rank} timed out after {timeout:.1f} s waiting for a "
-                f"message from rank {self.src} (RPC worker "
-                f"{self.transport.worker_map[self.src]!r})"
-            )
-        return message
+        box, worker = self.transport._box, self.transport.worker_map[self.src]
+        deadline = time.monotonic() + timeout
+        probe: Any = None
+        while True:
+            left = max(deadline - time.monotonic(), 0.0)
+            message = box.take(self.src, self.channel, self.sequence, min(left, _PROBE_S))
+            if message is not None:
+                return message
+            if time.monotonic() >= deadline:
+                raise TransportTimeout(
+                    f"rank {self.transport.rank} timed out after {timeout:.1f} s waiting for a "
+                    f"message from rank {self.src} (RPC worker {worker!r})"
+                )
+            try:  # is the sender still there? (TensorPipe fails a call to a process gone)
+                if probe is not None and probe.done():
+                    probe.wait()
+                    probe = None
+                if probe is None:
+                    probe = rpc.rpc_async(worker, _here)
+            except Exception as e:
+                line = str(e).splitlines()[0] if str(e) else type(e).__name__
+                raise PeerLost(
+                    f"rank {self.transport.rank} lost rank {self.src} (RPC worker {worker!r}) "
+                    f"while waiting for a message: {line.split(' (this error originated')[0]}",
+                    self.src,
+                ) from e
 
 
 class RPCTransport(Transport):
