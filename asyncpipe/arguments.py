@@ -260,10 +260,11 @@ def _device(device: object) -> list[str]:
     return []
 
 
-def _finite(value: object) -> bool:
-    """Whether ``value`` is a finite int or float (not a bool)."""
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    return number and math.isfinite(value)  # type: ignore[arg-type]
+def _positive_finite(value: object) -> bool:
+    """Whether ``value`` is a positive, finite int or float (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return math.isfinite(value) and value > 0
 
 
 def _trace_directory(path: str) -> list[str]:
@@ -317,9 +318,9 @@ def check_options(
             "data_parallel_size > 1 builds its own process groups; pass transport='p2p', "
             "'shm' or 'rpc', not a Transport object"
         )
-    if not (_finite(loss_scale) and loss_scale > 0):  # type: ignore[operator]
+    if not _positive_finite(loss_scale):
         problems.append(f"loss_scale must be a positive, finite number (got {loss_scale!r})")
-    if not (_finite(timeout) and timeout > 0):  # type: ignore[operator]
+    if not _positive_finite(timeout):
         problems.append(
             f"timeout must be a positive, finite number of seconds (got {timeout!r}): every "
             f"wait fails after it, naming the peer it waited for; pass e.g. timeout=600"
