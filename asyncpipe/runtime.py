@@ -258,10 +258,11 @@ class Runtime(Compute):
         if peer is not None and isinstance(error, ConnectionError):
             news = self._news_of(peer)
             if news is not None and news[1] != _OK:
-                stage, mb, rank, code = (int(v) for v in news[2:5] + news[8:9])
-                text = f"{_where(stage, mb, rank, code)} (see that rank's error for the cause)"
-                owed = str(Action(stage, _KINDS[code], mb)) if code >= 0 and stage >= 0 else ""
-                text += f"; rank {self.rank} lost its connection to rank {peer} in {current}"
+                stage, mb, rank, owed, where = _failure_in(news)
+                text = (
+                    f"{where} (see that rank's error for the cause); rank {self.rank} lost its "
+                    f"connection to rank {peer} in {current}"
+                )
                 return Failed(text, stage, mb, owed, rank, peer)
         waited = action.peer if action is not None and action.kind.is_recv else None
         if action is not None and waited is not None and peer == self.owners[waited]:
@@ -380,11 +381,10 @@ class Runtime(Compute):
                 ) from e
         broken = [row for row in table if row[1] == _FAILED] or [r for r in table if r[1] != _OK]
         if broken:
-            stage, mb, rank, code = (int(v) for v in broken[0][2:5] + broken[0][8:9])
-            action = str(Action(stage, _KINDS[code], mb)) if code >= 0 and stage >= 0 else ""
+            stage, mb, rank, action, where = _failure_in(broken[0])
             raise StageFailure(
-                f"{_where(stage, mb, rank, code)} (see that rank's error for the cause); rank "
-                f"{self.rank} finished its own work",
+                f"{where} (see that rank's error for the cause); rank {self.rank} finished its "
+                f"own work",
                 rank=rank,
                 stage=stage,
                 microbatch=mb,
@@ -553,12 +553,13 @@ class Runtime(Compute):
         self.transport.send(peer, channel, Message(i, work.microbatches, grads))
 
 
-def _where(stage: int, microbatch: int, rank: int, code: int) -> str:
-    """Where a step failed, from a rank's end-of-step news (``code``: the failed action's
-    kind, -1 where none or unknown)."""
+def _failure_in(news: Sequence[float]) -> tuple[int, int, int, str, str]:
+    """The failure a rank's end-of-step news reports: stage, micro-batch, rank, the failed
+    action ("" where unknown) and the words saying where the step failed."""
+    stage, microbatch, rank, code = (int(v) for v in [*news[2:5], news[8]])
     action = str(Action(stage, _KINDS[code], microbatch)) if code >= 0 and stage >= 0 else ""
     where = f"in {action} (micro-batch {microbatch})" if action else f"at micro-batch {microbatch}"
-    return f"stage {stage} failed {where} on rank {rank}"
+    return stage, microbatch, rank, action, f"stage {stage} failed {where} on rank {rank}"
 
 
 def _check_posting_order(plan: Plan) -> None:

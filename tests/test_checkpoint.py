@@ -135,6 +135,24 @@ def test_reshard_four_stages_to_two_to_the_plain_model(tmp_path: Path) -> None:
         assert torch.equal(plain.state_dict()[key], value), key
 
 
+def saved_then_trained(pipe: AsyncPipe, opt: Any, path: Path) -> dict[str, Any]:
+    """Train a step, save it as step 1 into ``path``, train another: the state saved."""
+    train_step(pipe, opt, 0)
+    checkpoint.save(pipe, opt, path, step=1)
+    saved = {k: v.clone() for k, v in pipe.state_dict().items()}
+    train_step(pipe, opt, 1)
+    return saved
+
+
+def reloaded(path: Path) -> list[Any]:
+    """(step, state) on each rank of a fresh [4, 4] pipeline that loaded ``path``."""
+
+    def reload(pipe: AsyncPipe, opt: Any, rank: int) -> Any:
+        return checkpoint.load(pipe, opt, path).step, pipe.state_dict()
+
+    return run([4, 4], reload, seed=3)
+
+
 def test_a_save_that_fails_on_one_rank_leaves_the_last_checkpoint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -148,10 +166,7 @@ def test_a_save_that_fails_on_one_rank_leaves_the_last_checkpoint(
         write(where, content)
 
     def job(pipe: AsyncPipe, opt: Any, rank: int) -> Any:
-        train_step(pipe, opt, 0)
-        checkpoint.save(pipe, opt, tmp_path, step=1)
-        saved = {k: v.clone() for k, v in pipe.state_dict().items()}
-        train_step(pipe, opt, 1)
+        saved = saved_then_trained(pipe, opt, tmp_path)
         with pytest.raises(RuntimeError, match=r"step 2 .* not saved \(rank 1: OSError: disk"):
             checkpoint.save(pipe, opt, tmp_path, step=2)
         return saved
@@ -160,10 +175,7 @@ def test_a_save_that_fails_on_one_rank_leaves_the_last_checkpoint(
     saved = run([4, 4], job)
     monkeypatch.setattr(files, "_write_atomically", write)
 
-    def reload(pipe: AsyncPipe, opt: Any, rank: int) -> Any:
-        return checkpoint.load(pipe, opt, tmp_path).step, pipe.state_dict()
-
-    for (step, params), want in zip(run([4, 4], reload, seed=3), saved):
+    for (step, params), want in zip(reloaded(tmp_path), saved):
         assert step == 1
         for key in want:
             assert torch.equal(params[key], want[key]), key
@@ -183,10 +195,7 @@ def test_a_failed_save_of_the_same_step_leaves_that_checkpoint(
         write(where, content)
 
     def job(pipe: AsyncPipe, opt: Any, rank: int) -> Any:
-        train_step(pipe, opt, 0)
-        checkpoint.save(pipe, opt, tmp_path, step=1)
-        saved = {k: v.clone() for k, v in pipe.state_dict().items()}
-        train_step(pipe, opt, 1)
+        saved = saved_then_trained(pipe, opt, tmp_path)
         checkpoint.save(pipe, opt, tmp_path, step=1)  # the same step, other contents: fine
         again = {k: v.clone() for k, v in pipe.state_dict().items()}
         train_step(pipe, opt, 2)
@@ -199,10 +208,7 @@ def test_a_failed_save_of_the_same_step_leaves_that_checkpoint(
     saved = run([4, 4], job)
     monkeypatch.setattr(files, "_write_atomically", write)
 
-    def reload(pipe: AsyncPipe, opt: Any, rank: int) -> Any:
-        return checkpoint.load(pipe, opt, tmp_path).step, pipe.state_dict()
-
-    for (step, params), (first, again) in zip(run([4, 4], reload, seed=3), saved):
+    for (step, params), (first, again) in zip(reloaded(tmp_path), saved):
         assert step == 1
         for key in again:  # the second save of step 1, whole on both ranks
             assert torch.equal(params[key], again[key]), key
@@ -333,10 +339,7 @@ def test_a_2bw_pipeline_in_flight_is_flushed_before_it_is_saved(tmp_path: Path) 
 
     flushed = values(run_threads(fn, 2))
 
-    def reload(pipe: AsyncPipe, opt: Any, rank: int) -> Any:
-        return checkpoint.load(pipe, opt, tmp_path).step, pipe.state_dict()
-
-    for (step, params), (want, in_flight) in zip(run([4, 4], reload, seed=3), flushed):
+    for (step, params), (want, in_flight) in zip(reloaded(tmp_path), flushed):
         assert step == 2 and not in_flight
         for key in want:
             assert torch.equal(params[key], want[key]), key

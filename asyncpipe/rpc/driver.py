@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from ..failure import StageFailure
 from ..lazy import LazyModule
-from ..transport.rpc import worker_names
+from ..transport.rpc import error_line, worker_names
 from . import stage as remote
 
 __all__: list[str] = []
@@ -34,12 +34,6 @@ def _sendable(fn: Callable[..., Any], what: str) -> None:
             f"function, or a functools.partial of one, not a lambda or a function defined "
             f"inside another ({type(e).__name__}: {e})"
         ) from e
-
-
-def _first(error: BaseException) -> str:
-    """The first line of an RPC error, without TensorPipe's source location."""
-    line = str(error).splitlines()[0] if str(error) else type(error).__name__
-    return line.split(" (this error originated at")[0]
 
 
 class RemotePipe:
@@ -135,7 +129,7 @@ class RemotePipe:
             try:
                 outcomes.append(future.wait())
             except Exception as e:  # the worker is gone, or never served
-                outcomes.append(("gone", f"{self.workers[r]} did not answer ({_first(e)})"))
+                outcomes.append(("gone", f"{self.workers[r]} did not answer ({error_line(e)})"))
         failed = [(r, o) for r, o in enumerate(outcomes) if o[0] != "ok"]
         if failed:
             for r in range(world):

@@ -116,6 +116,12 @@ def _deliver(name: str, src: int, items: list[_Item]) -> None:
         box.put(src, channel, sequence, message)
 
 
+def error_line(error: BaseException) -> str:
+    """The first line of an RPC error, without TensorPipe's source location."""
+    line = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return line.split(" (this error originated at")[0]
+
+
 def _here() -> bool:
     """Runs on a peer that a waiting receiver asks whether it is still there."""
     return True
@@ -179,10 +185,9 @@ class _MailboxRecv(PendingRecv):
                 if probe is None:
                     probe = rpc.rpc_async(worker, _here)
             except Exception as e:
-                line = str(e).splitlines()[0] if str(e) else type(e).__name__
                 raise PeerLost(
                     f"rank {self.transport.rank} lost rank {self.src} (RPC worker {worker!r}) "
-                    f"while waiting for a message: {line.split(' (this error originated')[0]}",
+                    f"while waiting for a message: {error_line(e)}",
                     self.src,
                 ) from e
 
