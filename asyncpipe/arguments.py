@@ -125,6 +125,13 @@ def check_arguments(
                     "forwards only)"
                 )
                 kinds.append(ValueError)
+            planned = 1 + max(a.microbatch for r in schedule.values() for a in r if a is not None)
+            if _positive_int(chunks) and chunks != planned:
+                problems.append(
+                    f"the schedule plan is for {planned} micro-batches but chunks={chunks}; pass "
+                    f"chunks={planned} (or a plan over {chunks} micro-batches)"
+                )
+                kinds.append(ValueError)
     elif schedule not in NAMES:
         problems.append(
             f"schedule must be one of {', '.join(NAMES)} or a plan {{rank: [Action, ...]}} "
