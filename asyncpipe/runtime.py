@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .compute import Compute
+from .compute import Compute, warm_autograd
 from .failure import Failed, MismatchedBatch, StageFailure, StepReport
 from .labels import profiler_range
 from .microbatch import Tensors
@@ -84,6 +84,7 @@ class Runtime(Compute):
         device: torch.device,
         routes: SkipRoutes | None = None,
     ) -> None:
+        warm_autograd()
         self.rank, self.segments, self.owners = rank, segments, owners
         self.routes = routes or SkipRoutes()
         self.plan_for = plan_for
