@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import datetime
 import os
 import time
@@ -135,6 +137,23 @@ def _init_rpc(timeout: float | datetime.timedelta, worker_map: Mapping[int, str]
     torch_rpc.init_rpc(  # type: ignore[no-untyped-call]
         names[rank], rank=rank, world_size=world, rpc_backend_options=options
     )
+    atexit.register(_end_rpc_at_exit)
+
+
+def _end_rpc_at_exit() -> None:
+    """Stop this process's RPC agent at exit if :func:`shutdown` did not: a process leaving on
+    an exception (a failed step, a lost peer) otherwise exits with the agent's threads still
+    running, and the C++ runtime aborts it (``terminate called without an active exception``,
+    signal 6) instead of the exception's exit status 1. Local (``graceful=False``): the other
+    ranks may be gone."""
+    from torch.distributed import rpc as torch_rpc
+
+    try:
+        torch_rpc.get_worker_info()
+    except RuntimeError:
+        return  # never started, or shut down
+    with contextlib.suppress(Exception):  # an exit must go on whatever the agent's state
+        torch_rpc.shutdown(graceful=False)
 
 
 _RELEASE_S = 0.1
