@@ -49,8 +49,10 @@ def check_arguments(
     schedule: object,
     virtual_stages: object = 1,
     lookahead: object = 1,
+    options: Sequence[str] = (),
 ) -> list[Layer]:
-    """Every problem with the constructor's arguments at once, as one ValueError/TypeError."""
+    """Every problem with the constructor's arguments at once, with the ``options`` problems
+    that :func:`option_problems` found, as one ValueError/TypeError."""
     problems: list[str] = []
     kinds: list[type[Exception]] = []
     layers: list[Layer] = []
@@ -168,6 +170,8 @@ def check_arguments(
             f"lookahead={lookahead} needs schedule='2bw' (got {schedule!r}); pass lookahead=1"
         )
         kinds.append(ValueError)
+    problems += options
+    kinds += [ValueError] * len(options)
     if problems:
         text = (
             "; ".join(problems)
@@ -292,10 +296,18 @@ def _trace_directory(path: str) -> list[str]:
     return []
 
 
-def check_options(
+def _processes(balance: object, virtual_stages: object) -> str:
+    """The number of processes ``balance`` asks for, for an error's hint ("N" if unclear)."""
+    if isinstance(balance, (list, tuple)) and balance and _positive_int(virtual_stages):
+        return str(max(1, len(balance) // int(str(virtual_stages))))
+    return "N"
+
+
+def option_problems(
     *,
     transport: object,
-    stages: int,
+    balance: object,
+    virtual_stages: object,
     timeout: object,
     autocast: object,
     loss_scale: object,
@@ -304,8 +316,8 @@ def check_options(
     trace: object,
     trace_every: object,
     device: object = None,
-) -> None:
-    """Every problem with AsyncPipe's keyword options at once, as one ValueError."""
+) -> list[str]:
+    """Every problem with AsyncPipe's keyword options (for :func:`check_arguments`)."""
     problems = _device(device)
     if autocast is not None and autocast not in DTYPES:
         problems.append(
@@ -350,8 +362,8 @@ def check_options(
             problems.append(
                 f"the {transport} transport needs torch.distributed: call asyncpipe.init("
                 f"{'rpc=True' if transport == 'rpc' else ''}) first and launch with "
-                f"torchrun, e.g. torchrun --standalone --nproc-per-node={stages} "
-                f"train.py"
+                f"torchrun, e.g. torchrun --standalone "
+                f"--nproc-per-node={_processes(balance, virtual_stages)} train.py"
             )
         elif transport == "rpc" and not rpc_running():
             problems.append(
@@ -362,8 +374,7 @@ def check_options(
             f"transport must be 'p2p', 'shm', 'rpc' or a Transport object (got "
             f"{type(transport).__name__})"
         )
-    if problems:
-        raise ValueError("; ".join(problems))
+    return problems
 
 
 def check_step(loss_fn: object, optimizer: object = None, max_norm: object = None) -> None:

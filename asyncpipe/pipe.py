@@ -15,8 +15,8 @@ from torch import Tensor, nn
 from .arguments import (
     agree,
     check_arguments,
-    check_options,
     check_step,
+    option_problems,
     plan_factory,
     same_everywhere,
     world_mismatch,
@@ -151,12 +151,10 @@ class AsyncPipe(DelayedUpdates, ManualBackward, nn.Module):
             balance = auto_balance(
                 balance, module, sample, transport, virtual_stages, data_parallel_size
             )
-        layers = check_arguments(
-            module, balance, chunks, checkpoint, schedule, virtual_stages, lookahead
-        )
-        check_options(
+        options = option_problems(
             transport=transport,
-            stages=len(balance),
+            balance=balance,
+            virtual_stages=virtual_stages,
             timeout=timeout,
             autocast=autocast,
             loss_scale=loss_scale,
@@ -165,6 +163,9 @@ class AsyncPipe(DelayedUpdates, ManualBackward, nn.Module):
             trace=trace,
             trace_every=trace_every,
             device=device,
+        )
+        layers = check_arguments(
+            module, balance, chunks, checkpoint, schedule, virtual_stages, lookahead, options
         )
         if device is None:
             use_cuda = dist.is_initialized() and dist.get_backend() == "nccl"

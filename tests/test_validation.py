@@ -68,6 +68,10 @@ def test_every_problem_is_listed_at_once() -> None:
     text = str(info.value)
     for part in ["sum of balance", "chunks must be", "checkpoint must be", "schedule must be"]:
         assert part in text
+    with pytest.raises(ValueError) as info:  # the options in the same error (a second before)
+        AsyncPipe(mlp(4), [2, 2], chunks=0, timeout=-1, trace_every=0, transport=transport())
+    assert "chunks must be" in str(info.value) and "timeout must be" in str(info.value)
+    assert "trace_every must be" in str(info.value)
 
 
 def test_world_size_must_match_balance() -> None:
@@ -91,6 +95,8 @@ def test_p2p_without_process_group_says_how_to_launch() -> None:
     assert not torch.distributed.is_initialized()
     with pytest.raises(ValueError, match="call asyncpipe.init"):
         AsyncPipe(mlp(4), [2, 2])
+    with pytest.raises(ValueError, match="--nproc-per-node=2 train.py"):  # 2 model chunks each
+        AsyncPipe(mlp(4), [1, 1, 1, 1], schedule="interleaved", virtual_stages=2)
 
 
 def test_stage_that_owns_no_layer() -> None:
