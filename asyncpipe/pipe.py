@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
-import math
 import os
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -38,14 +35,14 @@ from .shared import SharedWeights
 from .skip.routes import find_routes
 from .stream import Stream, check_two_bw_options
 from .trace import TraceWriter
-from .trace.recorder import Recorder
+from .traced import TracedSteps
 from .transport import GroupTransport, Transport
 from .work import LossFn, Work
 
 __all__: list[str] = []
 
 
-class AsyncPipe(DelayedUpdates, ManualBackward, nn.Module):
+class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
     """One rank's part of a model split into pipeline stages that run in separate processes.
 
     Every process of the pipeline builds ``AsyncPipe`` with the same arguments (the ranks
@@ -264,27 +261,7 @@ class AsyncPipe(DelayedUpdates, ManualBackward, nn.Module):
                 list(self.parameters()), data_parallel_group, self.data_parallel_size, self.device
             )
             self._runtime.after_backward = self._averager.start
-        self._recorder: Recorder | None = None
-        if trace is not None:
-            if not isinstance(trace, TraceWriter) and self.data_parallel_size > 1:
-                trace = Path(trace) / f"replica{self.data_parallel_rank}"  # one per pipeline
-            writer = trace if isinstance(trace, TraceWriter) else TraceWriter(trace, trace_every)
-            config = {
-                "ranks": self.num_stages,
-                "balance": self.balance,
-                "chunks": self.chunks,
-                "schedule": schedule if isinstance(schedule, str) else "custom plan",
-                "virtual_stages": virtual_stages,
-                "lookahead": lookahead,
-                "checkpoint": checkpoint,
-                "transport": type(transport).__name__
-                + (f" ({dist.get_backend()})" if dist.is_initialized() else ""),
-                "deferred_batch_norm": self.deferred_batch_norm,
-                "device": str(self.device),
-            }
-            self._recorder = Recorder(
-                writer, transport, self.timeout, self.device, self._runtime.plan_for, config
-            )
+        self._start_trace(trace, trace_every, schedule, virtual_stages, transport)
         self._stream: Stream | None = None
         if schedule == "2bw":
             check_two_bw_options(self, shared_weights)
@@ -382,51 +359,6 @@ class AsyncPipe(DelayedUpdates, ManualBackward, nn.Module):
         if self._recorder is not None:
             self._recorder.add(report)
         return work
-
-    def _traced(self, work: Work | None, loss: float | None, window: str | None = None) -> None:
-        """Hand the finished step to the recorder (if tracing); ``window``: the 2BW window it
-        ran (its work is the new mini-batch, none for the drain; its loss may be NaN)."""
-        if self._recorder is not None:
-            inputs = work.inputs if work is not None else None
-            samples = sum(int(x[0].shape[0]) for x in inputs or () if x and x[0].dim())
-            m = work.microbatches if work is not None else self.chunks
-            train = work.train if work is not None else True
-            if loss is not None and math.isnan(loss):
-                loss = None
-            self._recorder.end_step(
-                loss=loss, samples=samples, microbatches=m, train=train, window=window
-            )
-
-    @property
-    def trace_directory(self) -> Path | None:
-        """Where this pipeline's trace goes (``None`` when not tracing)."""
-        return None if self._recorder is None else self._recorder.writer.directory
-
-    @contextlib.contextmanager
-    def trace_span(self, name: str) -> Iterator[None]:
-        """Time a block of the training loop (e.g. the optimizer step) into the trace and a
-        ``torch.profiler`` range named ``name``.
-
-        Example:
-            >>> with pipe.trace_span("optimizer"):   # doctest: +SKIP
-            ...     optimizer.step()
-        """
-        if self._recorder is None:
-            with torch.autograd.profiler.record_function(name):
-                yield
-        else:
-            with self._recorder.span(name):
-                yield
-
-    def trace_optimizer(self, optimizer: torch.optim.Optimizer, name: str = "optimizer") -> None:
-        """Time every ``optimizer.step()`` into the trace (through the optimizer's step hooks),
-        as :meth:`trace_span` would; nothing happens when not tracing.
-
-        Example:
-            >>> pipe.trace_optimizer(optimizer)   # doctest: +SKIP
-        """
-        if self._recorder is not None:
-            self._recorder.watch(optimizer, name)
 
     def close(self) -> None:
         """Drain the pipeline (see :meth:`flush`) and finish the trace (rank 0 writes the last
