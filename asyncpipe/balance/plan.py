@@ -31,6 +31,7 @@ class Link:
     post: float = 0.05e-3
 
     def seconds(self, size: int) -> float:
+        """The modelled time of one message of ``size`` bytes: latency plus size / bandwidth."""
         return self.latency + size / self.bandwidth
 
 
@@ -77,6 +78,8 @@ class Ranking:
 
     @property
     def best(self) -> Candidate:
+        """The first candidate: the fastest within the memory limit (if none fits, the first
+        of those over it)."""
         return self.candidates[0]
 
     def table(self, top: int = 10) -> str:

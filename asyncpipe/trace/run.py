@@ -126,6 +126,7 @@ class StepTrace:
 
     @property
     def makespan(self) -> float:
+        """When the last rank ended the step, in seconds from the step's origin."""
         return max((r.end for r in self.ranks.values()), default=0.0)
 
     def idle(self, rank: int) -> float:

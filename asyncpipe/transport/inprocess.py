@@ -31,6 +31,7 @@ class InProcessHub:
             return self._queues.setdefault((src, dst, channel), queue.Queue())
 
     def transport(self, rank: int) -> InProcessTransport:
+        """The transport of pipeline rank ``rank`` (one per thread), on this hub's queues."""
         return InProcessTransport(self, rank)
 
 
