@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from .blame import FAILED, KINDS, NEWS_SECONDS, OK, PEER_ERRORS, RELAYED, FailureBlame, failure_in
 from .compute import Compute, warm_autograd
 from .failure import Failed, MismatchedBatch, StageFailure, StepReport
 from .labels import profiler_range
@@ -26,14 +27,11 @@ from .microbatch import Tensors
 from .schedule import Action, Kind, Plan, forward_only, lower, validate
 from .schedule.messages import misordered_pair, settle_points
 from .skip.routes import SkipRoutes
-from .transport import Message, PeerLost, PendingRecv, Transport, TransportTimeout
+from .transport import Message, PendingRecv, Transport
 from .work import Grads, Work
 
 __all__: list[str] = []
 
-_KINDS = list(Kind)
-_OK, _FAILED, _RELAYED = 0.0, 1.0, 2.0
-_NEWS_SECONDS = 2.0  # how long a failed rank waits for its failure notices to be taken
 # Channels of the messages beside a plan's, one each: two uses sharing a channel would take
 # each other's messages (a receive posted ahead for one matches the other's message first).
 STATUS_CHANNEL = 1 << 20  # every rank tells every other how its step ended
@@ -42,7 +40,6 @@ CLOCK_CHANNEL = STATUS_CHANNEL + 2  # tracing: clock offsets, once
 NORM_CHANNEL = STATUS_CHANNEL + 3  # 2BW: each rank's part of the norm of the gradient it applies
 TRACE_CHANNEL = STATUS_CHANNEL + 4  # tracing: each step's events, to rank 0
 CHECKPOINT_CHANNEL = STATUS_CHANNEL + 5  # checkpoints: saves report to rank 0, which answers
-_PEER_ERRORS = (TransportTimeout, ConnectionError)  # a receive found its peer silent or gone
 
 
 def _kind_code(action: str) -> int:
@@ -51,7 +48,7 @@ def _kind_code(action: str) -> int:
         kind = Action.parse(action).kind
     except ValueError:
         return -1
-    return _KINDS.index(kind) if kind.is_compute else -1
+    return KINDS.index(kind) if kind.is_compute else -1
 
 
 def _rows(pieces: list[Tensors] | None) -> int:
@@ -59,7 +56,7 @@ def _rows(pieces: list[Tensors] | None) -> int:
     return sum(piece[0].shape[0] for piece in pieces) if pieces else -1
 
 
-class Runtime(Compute):
+class Runtime(FailureBlame, Compute):
     """Runs the local segments of one rank.
 
     Args:
@@ -223,7 +220,7 @@ class Runtime(Compute):
             failure, original = e, e
         except Exception as e:
             failed = Action.parse(current) if current not in ("", "prepare") else None
-            found = self._peer_failure(failed, current, e) if isinstance(e, _PEER_ERRORS) else None
+            found = self._peer_failure(failed, current, e) if isinstance(e, PEER_ERRORS) else None
             failure, original = found or self._own_failure(failed, current, e), e
         if failure is not None:
             self._notify(failure)
@@ -231,100 +228,6 @@ class Runtime(Compute):
         seconds = time.perf_counter() - start
         assert work is not None
         return work, StepReport(seconds, busy, events, start, work.peak)
-
-    def _own_failure(self, action: Action | None, current: str, error: Exception) -> Failed:
-        """This rank's failure: ``error`` came while it ran ``action`` (``current``: its text,
-        or "prepare", or "" before any action)."""
-        what = f"{type(error).__name__}: {error}"
-        if action is not None:
-            text = (
-                f"stage {action.stage} failed in {current} (micro-batch {action.microbatch}) on "
-                f"rank {self.rank}: {what}"
-            )
-            return Failed(text, action.stage, action.microbatch, current, self.rank)
-        if current == "prepare":
-            text = f"rank {self.rank} rejected its arguments: {what}"
-        else:
-            text = f"rank {self.rank} failed before its first action: {what}"
-        return Failed(text, -1, -1, current, self.rank)
-
-    def _peer_failure(self, action: Action | None, current: str, error: Exception) -> Failed | None:
-        """The failure to report when ``error`` (a timeout, or a lost connection) came while
-        this rank ran ``action`` (``current``: its text): the peer's own news of its failure
-        where the peer sent it before it went, else the peer named as silent or gone (None:
-        nothing better than ``error`` itself is known)."""
-        peer = error.peer if isinstance(error, PeerLost) else None
-        if peer is None and action is not None and action.peer is not None:
-            peer = self.owners[action.peer]
-        if peer is not None and isinstance(error, ConnectionError):
-            news = self._news_of(peer)
-            if news is not None and news[1] != _OK:
-                stage, mb, rank, owed, where = _failure_in(news)
-                text = (
-                    f"{where} (see that rank's error for the cause); rank {self.rank} lost its "
-                    f"connection to rank {peer} in {current}"
-                )
-                return Failed(text, stage, mb, owed, rank, peer)
-        waited = action.peer if action is not None and action.kind.is_recv else None
-        if action is not None and waited is not None and peer == self.owners[waited]:
-            return self._silent_peer(action, error)
-        if isinstance(error, PeerLost):
-            stage = self.owners.index(peer) if peer in self.owners else -1
-            text = (
-                f"rank {peer} (stage {stage}) is gone: rank {self.rank} lost its connection to "
-                f"it {f'in {current}' if current else 'as its step began'} ({error}); rank "
-                f"{peer} crashed or was killed, see its own log for the cause"
-            )
-            mb = action.microbatch if action is not None else -1
-            return Failed(text, stage, mb, current, error.peer)
-        return None
-
-    def _news_of(self, peer: int) -> list[float] | None:
-        """The end-of-step news of ``peer`` if it came before ``peer`` went (its receive was
-        posted; a moment's wait at most), else None."""
-        pending = self._statuses.get(peer)
-        if pending is None:
-            return None
-        try:
-            return pending.wait(min(self.timeout, _NEWS_SECONDS / 4)).values(peer, "status")
-        except Exception:
-            return None
-
-    def _silent_peer(self, action: Action, error: Exception) -> Failed:
-        """The failure of a peer that died or fell silent while this rank waited in ``action``
-        (a receive): it names that peer, its stage and the action it had not finished."""
-        assert action.peer is not None
-        peer = self.owners[action.peer]
-        kind = Kind.FORWARD if action.kind is Kind.RECV_F else Kind.BACKWARD
-        owed = Action(action.peer, kind, action.microbatch)
-        what = "output" if kind is Kind.FORWARD else "input gradients"
-        waited = f"in {action} waiting for the {what} of {owed} from rank {peer}"
-        if isinstance(error, TransportTimeout):
-            text = (
-                f"rank {peer} (stage {action.peer}) sent nothing: rank {self.rank} timed out after "
-                f"{self.timeout:.1f} s {waited}; rank {peer} is stuck, far slower than the "
-                f"others, or gone (raise AsyncPipe(timeout=...) if its work really takes that "
-                f"long)"
-            )
-        else:
-            gist = str(error).split(": ", 1)[-1]
-            text = (
-                f"rank {peer} (stage {action.peer}) is gone: rank {self.rank} lost its "
-                f"connection {waited} ({gist}); rank {peer} crashed or was killed, see its own "
-                f"log for the cause"
-            )
-        return Failed(text, action.peer, action.microbatch, str(owed), peer)
-
-    def _notify(self, failure: Failed) -> None:
-        """Tell every peer that reads from this rank, so nobody waits for us in vain."""
-        message = Message(max(failure.microbatch, 0), 0, (), error=failure.encode())
-        for peer, channel in sorted(self.outgoing()):
-            if peer == failure.source:
-                continue
-            try:
-                self.transport.send(peer, channel, message)
-            except Exception:  # noqa: S112 - best effort: the peer may be gone already
-                continue
 
     def _finish(
         self,
@@ -336,9 +239,9 @@ class Runtime(Compute):
         else settle the sends. A failed rank does not wait for the others' news."""
         # loss, outcome, failed stage, micro-batch, rank, stop asked, input rows, target
         # rows, failed action's kind (-1: none or unknown)
-        status = [work.local_loss() if work else 0.0, _OK, -1.0, -1.0, -1.0]
+        status = [work.local_loss() if work else 0.0, OK, -1.0, -1.0, -1.0]
         if failure is not None:
-            status[1] = _RELAYED if failure.relayed else _FAILED
+            status[1] = RELAYED if failure.relayed else FAILED
             status[2:5] = [float(failure.stage), float(failure.microbatch), float(failure.rank)]
         status.append(float(self.stop_requested))
         status += [float(_rows(work.inputs)), float(_rows(work.targets))] if work else [-1.0] * 2
@@ -360,7 +263,7 @@ class Runtime(Compute):
         if failure is not None:
             # Give the news a moment to leave before the caller (maybe) ends the process.
             with contextlib.suppress(Exception):  # a peer that is gone cannot be told
-                self.transport.flush(min(self.timeout, _NEWS_SECONDS))
+                self.transport.flush(min(self.timeout, NEWS_SECONDS))
             raise self._raise(failure, original)
         table = [status]
         deadline = time.monotonic() + self.timeout
@@ -380,9 +283,9 @@ class Runtime(Compute):
                     microbatch=-1,
                     action="",
                 ) from e
-        broken = [row for row in table if row[1] == _FAILED] or [r for r in table if r[1] != _OK]
+        broken = [row for row in table if row[1] == FAILED] or [r for r in table if r[1] != OK]
         if broken:
-            stage, mb, rank, action, where = _failure_in(broken[0])
+            stage, mb, rank, action, where = failure_in(broken[0])
             raise StageFailure(
                 f"{where} (see that rank's error for the cause); rank {self.rank} finished its "
                 f"own work",
@@ -404,26 +307,6 @@ class Runtime(Compute):
                 f"target: {min(targets)} rows); the step ran but its loss and gradients mean "
                 f"nothing, so do not apply them: pass a target with one row per input row"
             )
-
-    def _raise(self, failure: Failed, original: BaseException | None) -> BaseException:
-        if failure.action == "prepare" and isinstance(original, (TypeError, ValueError)):
-            return original  # the caller's own bad argument: raise it as it is
-        error = StageFailure(
-            failure.text,
-            rank=failure.rank,
-            stage=failure.stage,
-            microbatch=failure.microbatch,
-            action=failure.action,
-        )
-        if original is not None and not isinstance(original, Failed):
-            error.__cause__ = original
-        return error
-
-    def _check_error(self, message: Message, action: Action) -> None:
-        if message.error is not None:
-            failure = Failed.decode(message.error, self.channel(action)[0])
-            failure.text += f" (reported to rank {self.rank} while it waited in {action})"
-            raise failure
 
     def exchange(self, values: Sequence[float]) -> list[list[float]]:
         """Every rank's ``values`` (index = rank): one message to and from every other rank.
@@ -552,15 +435,6 @@ class Runtime(Compute):
                 work.skip_back.pop((seg, i), None)
         peer, channel = self.channel(action)
         self.transport.send(peer, channel, Message(i, work.microbatches, grads))
-
-
-def _failure_in(news: Sequence[float]) -> tuple[int, int, int, str, str]:
-    """The failure a rank's end-of-step news reports: stage, micro-batch, rank, the failed
-    action ("" where unknown) and the words saying where the step failed."""
-    stage, microbatch, rank, code = (int(v) for v in [*news[2:5], news[8]])
-    action = str(Action(stage, _KINDS[code], microbatch)) if code >= 0 and stage >= 0 else ""
-    where = f"in {action} (micro-batch {microbatch})" if action else f"at micro-batch {microbatch}"
-    return stage, microbatch, rank, action, f"stage {stage} failed {where} on rank {rank}"
 
 
 def _check_posting_order(plan: Plan) -> None:

@@ -24,10 +24,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from .blame import NEWS_SECONDS, OK, PEER_ERRORS
 from .failure import Failed, StepReport
 from .labels import profiler_range
 from .precision import SpreadNorm
-from .runtime import _NEWS_SECONDS, _OK, _PEER_ERRORS, NORM_CHANNEL, STATUS_CHANNEL, Runtime
+from .runtime import NORM_CHANNEL, STATUS_CHANNEL, Runtime
 from .schedule import Action, Kind, lower, validate
 from .schedule.two_bw import two_bw, windows
 from .transport import Message, PendingRecv, TransportTimeout
@@ -125,7 +126,7 @@ class Stream:
         )
         owed = {(a.stage, a.microbatch) for a in window if a.kind is Kind.FORWARD}
         owed -= {(a.stage, a.microbatch) for a in window if a.kind is Kind.BACKWARD}
-        status = [work.local_loss(), _OK, float(self.runtime.stop_requested)]
+        status = [work.local_loss(), OK, float(self.runtime.stop_requested)]
         self._send_news(status)
         loss = math.nan
         if self.previous is not None:
@@ -331,7 +332,7 @@ class Stream:
             if action is not None and mine is not None:  # where it waited, as in traces
                 here = self._global(action, current)
                 failure.text = failure.text.replace(f"waited in {mine})", f"waited in {here})")
-        elif mine is not None and mine.kind.is_recv and isinstance(error, _PEER_ERRORS):
+        elif mine is not None and mine.kind.is_recv and isinstance(error, PEER_ERRORS):
             failure = runtime._silent_peer(mine, error)
         elif action is not None and mine is not None:
             text = self._global(action, current)
@@ -363,7 +364,7 @@ class Stream:
         runtime = self.runtime
         runtime._notify(failure)
         with contextlib.suppress(Exception):  # a peer that is gone cannot be told
-            runtime.transport.flush(min(runtime.timeout, _NEWS_SECONDS))
+            runtime.transport.flush(min(runtime.timeout, NEWS_SECONDS))
         if raise_original:
             return error
         return runtime._raise(failure, error)
