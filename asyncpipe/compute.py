@@ -30,21 +30,17 @@ from .work import Grads, Skips, Work, leaves, unwrap
 
 __all__: list[str] = []
 
-_autograd_warm = False
-
 
 def warm_autograd() -> None:
-    """Run one tiny backward with a given gradient, once per process, before any step.
+    """Run one tiny backward with a given gradient before any step (a fraction of a millisecond
+    once warm, so every pipeline runs it rather than keep a flag).
 
-    The first such backward imports what torch's autograd loads lazily for it (its shape
-    checks import ``sympy``): about half a second on an idle host, seconds on a loaded one.
-    Paid while the pipeline is built, that time no longer lands inside the first step, where
-    every other rank would wait for it (and its timeout counts)."""
-    global _autograd_warm
-    if not _autograd_warm:
-        leaf = torch.zeros(1, requires_grad=True)
-        torch.autograd.backward([leaf * 2], [torch.ones(1)])
-        _autograd_warm = True
+    The first such backward in a process imports what torch's autograd loads lazily for it (its
+    shape checks import ``sympy``): about half a second on an idle host, seconds on a loaded
+    one. Paid while the pipeline is built, that time no longer lands inside the first step,
+    where every other rank would wait for it (and its timeout counts)."""
+    leaf = torch.zeros(1, requires_grad=True)
+    torch.autograd.backward([leaf * 2], [torch.ones(1)])
 
 
 class Compute:
