@@ -196,7 +196,8 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
         """Whether the last step overflowed in float16 (its gradients were dropped everywhere)."""
         self.grad_norm = float("nan")
         """The norm over every stage of the gradient that the last ``step(..., max_norm=...)``
-        (or ``flush()`` after it) clipped, before clipping; NaN when it clipped none."""
+        (or ``flush()`` after it) clipped, before clipping; NaN when it clipped none (also
+        after a float16 step that overflowed: its gradients were dropped)."""
         self.stage = transport.rank
         self.num_stages = transport.world_size
         self.virtual_stages = virtual_stages
@@ -446,10 +447,11 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
         end up with the gradients of the mean micro-batch loss.
 
         With ``optimizer`` (this rank's optimizer), the step ends with ``optimizer.step()``
-        and ``optimizer.zero_grad()``. ``schedule="2bw"`` needs it and differs (see
-        :doc:`/2bw`): the step runs one window of a pipeline that never drains, applies the
-        previous mini-batch's gradient at its end, and returns that mini-batch's loss (NaN
-        on the first step); :meth:`flush` drains the last one.
+        and ``optimizer.zero_grad()`` (a float16 step that overflowed skips
+        ``optimizer.step()``, as ``torch.amp.GradScaler`` does). ``schedule="2bw"`` needs it
+        and differs (see :doc:`/2bw`): the step runs one window of a pipeline that never
+        drains, applies the previous mini-batch's gradient at its end, and returns that
+        mini-batch's loss (NaN on the first step); :meth:`flush` drains the last one.
 
         With ``max_norm`` as well, the gradient is clipped just before ``optimizer.step()``
         to that 2-norm over every stage, as ``torch.nn.utils.clip_grad_norm_`` on the plain
@@ -489,9 +491,12 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
         loss = work.loss_sum / work.microbatches
         self._traced(work, loss)
         if optimizer is not None:
-            if max_norm is not None:
-                self.grad_norm = float(self.clip_grad_norm_(max_norm))
-            optimizer.step()
+            if self.overflow:  # no gradient to clip or apply (as GradScaler skips the step)
+                self.grad_norm = float("nan")
+            else:
+                if max_norm is not None:
+                    self.grad_norm = float(self.clip_grad_norm_(max_norm))
+                optimizer.step()
             optimizer.zero_grad()
         return loss
 

@@ -145,6 +145,30 @@ def test_an_overflow_on_one_stage_skips_the_step_on_every_stage() -> None:
         assert all(g1) and not any(g2) and all(g3), rank  # the overflowed step has no grads
 
 
+def test_an_overflowed_step_with_an_optimizer_clips_and_applies_nothing() -> None:
+    torch.manual_seed(9)
+    poisoned = Poisoned()
+    model = nn.Sequential(poisoned, nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+
+    def fn(pipe: AsyncPipe) -> list[Any]:
+        optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+        out = []
+        for poison in (False, True):
+            if pipe.stage == 0:
+                poisoned.poison = poison
+            before = [p.detach().clone() for p in pipe.parameters()]
+            pipe.step(x, y, mse, optimizer=optimizer, max_norm=1.0)
+            moved = any(not torch.equal(b, p) for b, p in zip(before, pipe.parameters()))
+            out.append((pipe.overflow, pipe.grad_norm, moved))
+        return out
+
+    for rank, steps in enumerate(_pipes(model, [2, 2], fn, chunks=2, autocast=torch.float16)):
+        (o1, n1, m1), (o2, n2, m2) = steps
+        assert (o1, o2) == (False, True) and m1 and not m2, (rank, steps)
+        assert n1 > 0 and math.isnan(n2), (rank, steps)  # was 0.0: no gradient is not norm 0
+
+
 def test_autocast_must_be_a_reduced_float_type() -> None:
     error = _error(mlp(2), lambda pipe: None, autocast=torch.float64)
     assert isinstance(error, ValueError)
