@@ -307,6 +307,11 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
         """Whether this rank computes the loss (it runs the last layer)."""
         return self.stage == self._last_rank
 
+    def _replicas_max(self, value: float) -> float:
+        """The largest ``value`` over this stage's replicas (``value`` with one replica), for
+        a flag they must agree on; call it on every rank."""
+        return value if self._averager is None else self._averager.reduce_max(value)
+
     # ----- stopping together -------------------------------------------------------------
 
     def request_stop(self) -> None:

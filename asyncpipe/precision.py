@@ -57,6 +57,14 @@ class LossScaler:
         self.update(overflow)
         return overflow
 
+    def state_dict(self) -> dict[str, float]:
+        """The scale and its progress towards the next growth (saved in checkpoints)."""
+        return {"scale": self.scale, "clean_steps": float(self.clean_steps)}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.scale = float(state["scale"])
+        self.clean_steps = int(state["clean_steps"])
+
     def update(self, overflow: bool) -> None:
         if overflow:
             self.scale *= self.backoff

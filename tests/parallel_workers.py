@@ -111,3 +111,29 @@ def groups_released(rank: int, world: int) -> Any:
     except RuntimeError as e:
         after = str(e)
     return {"groups": len(groups), "alive": alive, "after": after}
+
+
+def saved_replicas(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """2 stages x 2 replicas save three times into one directory on every rank, as
+    ``checkpoint.save`` asks; then a one-replica pipeline of the same ranks' layout loads it."""
+    from asyncpipe import checkpoint
+
+    model = mlp(4, seed=35)
+    torch.manual_seed(36)
+    x, y = torch.randn(16, 8), torch.randn(16, 8)
+    pipe = AsyncPipe(model, [2, 2], chunks=2, data_parallel_size=2, timeout=30)
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    half = slice(8 * pipe.data_parallel_rank, 8 * pipe.data_parallel_rank + 8)
+    outcomes = []
+    for step in range(1, 4):
+        pipe.step(x[half], y[half], mse, optimizer=optimizer)
+        try:
+            checkpoint.save(pipe, optimizer, directory, step=step)
+            outcomes.append("saved")
+        except Exception as e:
+            outcomes.append(f"{type(e).__name__}: {e}")
+    state = {k: v.clone() for k, v in pipe.state_dict().items()}
+    fresh = AsyncPipe(mlp(4, seed=99), [2, 2], chunks=2, data_parallel_size=2, timeout=30)
+    step = checkpoint.load(fresh, None, directory).step
+    error = max(float((fresh.state_dict()[k] - v).abs().max()) for k, v in state.items())
+    return {"outcomes": outcomes, "step": step, "error": error}

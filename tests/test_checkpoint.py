@@ -105,6 +105,33 @@ def test_save_then_load_into_a_fresh_job_goes_on_exactly(tmp_path: Path) -> None
     ]
 
 
+def test_a_float16_job_resumes_with_the_loss_scale_it_had_reached(tmp_path: Path) -> None:
+    def job(resume: bool) -> list[Any]:
+        net = model(1 if resume else 0)
+
+        def fn(rank: int, transport: Transport) -> Any:
+            pipe = AsyncPipe(
+                net, [4, 4], chunks=2, transport=transport, timeout=20,
+                autocast=torch.float16, loss_scale=2.0**40,
+            )  # fmt: skip
+            opt = optimizer(pipe.parameters())
+            assert pipe.scaler is not None
+            if resume:
+                checkpoint.load(pipe, opt, tmp_path)
+            else:  # a scale far too large: every step overflows and halves it
+                for step in range(3):
+                    train_step(pipe, opt, step)
+                checkpoint.save(pipe, opt, tmp_path, step=3)
+            scale = pipe.scaler.state_dict()
+            return scale, [train_step(pipe, opt, step) for step in range(3, 5)]
+
+        return values(run_threads(fn, 2))
+
+    before, after = job(resume=False), job(resume=True)
+    assert before[0][0]["scale"] == 2.0**37  # three overflows
+    assert after == before  # the same scale, then the same losses (it began at 2**40 again)
+
+
 def test_reshard_four_stages_to_two_to_the_plain_model(tmp_path: Path) -> None:
     four, two = tmp_path / "four", tmp_path / "two"
 

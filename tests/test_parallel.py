@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
-from parallel_workers import bf16_replicas, groups_released, two_by_two
+from parallel_workers import bf16_replicas, groups_released, saved_replicas, two_by_two
 from spawn import run_ranks
 
 pytestmark = pytest.mark.slow
@@ -36,3 +39,12 @@ def test_a_pipe_keeps_no_process_group_alive_after_it_is_destroyed() -> None:
         assert result["groups"] >= 3  # the world, the pipeline's and the data-parallel group
         assert result["alive"] == 0, result
         assert "process group of this pipeline was destroyed" in result["after"], result
+
+
+def test_replicas_save_one_checkpoint_and_every_rank_learns_it(tmp_path: Path) -> None:
+    # before: both replicas wrote the same stage files and manifest, racing (saves failed at
+    # random on some ranks, with a misleading "not the same path" error)
+    for result in run_ranks(saved_replicas, 4, str(tmp_path), timeout=180):
+        assert result["outcomes"] == ["saved"] * 3, result
+        assert result["step"] == 3 and result["error"] == 0.0, result
+    assert sorted(os.listdir(tmp_path)) == ["manifest.json", "stage0.step3.pt", "stage1.step3.pt"]

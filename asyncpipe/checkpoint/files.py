@@ -213,10 +213,12 @@ def save(
 ) -> None:
     """Save the pipeline (and optimizer) of every rank into directory ``path``.
 
-    Call it on every rank at the same point, between steps. It returns once the checkpoint is
-    complete on every rank; a checkpoint of an earlier step (or of the same step) in ``path``
-    stays valid until then and is removed after. Under ``schedule="2bw"``, call
-    ``pipe.flush()`` first: a mini-batch still in flight has not had its update.
+    Call it on every rank at the same point, between steps (with data parallelism too: the
+    ranks of replica 0 write, the other replicas learn the outcome). It returns once the
+    checkpoint is complete on every rank; a checkpoint of an earlier step (or of the same
+    step) in ``path`` stays valid until then and is removed after. Under
+    ``schedule="2bw"``, call ``pipe.flush()`` first: a mini-batch still in flight has not had
+    its update. With float16 autocast, the loss scale is saved too.
 
     Args:
         pipe: this rank's pipeline.
@@ -240,16 +242,40 @@ def save(
             "update a checkpoint would lose; call pipe.flush() on every rank before saving"
         )
     directory = os.fspath(path)
+    verdict = None
+    if pipe.data_parallel_rank == 0:  # replicas hold the same weights: the first one writes
+        verdict = _save_pipeline(pipe, optimizer, directory, int(step), extra)
+    if pipe.data_parallel_size > 1:  # every replica learns whether it was saved
+        failed = pipe._replicas_max(1.0 if verdict is not None else 0.0)
+        if failed and verdict is None:
+            verdict = "replica 0 could not write it; see the errors of its ranks"
+    if verdict is not None:
+        raise RuntimeError(
+            f"the checkpoint of step {step} in {directory!r} was not saved ({verdict}); the "
+            f"previous checkpoint there, if any, is still complete"
+        )
+
+
+def _save_pipeline(
+    pipe: AsyncPipe,
+    optimizer: torch.optim.Optimizer | None,
+    directory: str,
+    step: int,
+    extra: Any,
+) -> str | None:
+    """Write this rank's stage file, and on rank 0 the manifest once every rank succeeded;
+    the verdict, the same on every rank of the pipeline (None: saved)."""
     rank = pipe.transport.rank
-    name = f"stage{rank}.step{int(step)}{_suffix(int(step), directory)}"
+    name = f"stage{rank}.step{step}{_suffix(step, directory)}"
     error = None
     try:
         os.makedirs(directory, exist_ok=True)
         content = {
             "format": FORMAT,
-            "step": int(step),
+            "step": step,
             "model": pipe.state_dict(),
             "optimizer": None if optimizer is None else _optimizer_state(pipe, optimizer),
+            "loss_scale": None if pipe.scaler is None else pipe.scaler.state_dict(),
         }
         _write_atomically(os.path.join(directory, name), lambda f: torch.save(content, f))
     except Exception as e:
@@ -258,15 +284,11 @@ def save(
     if rank == 0:
         if verdict is None:
             try:
-                _write_manifest(pipe, optimizer, directory, int(step), extra)
+                _write_manifest(pipe, optimizer, directory, step, extra)
             except Exception as e:
                 verdict = f"rank 0 could not write the manifest: {type(e).__name__}: {e}"
         _answer(pipe, verdict)
-    if verdict is not None:
-        raise RuntimeError(
-            f"the checkpoint of step {step} in {directory!r} was not saved ({verdict}); the "
-            f"previous checkpoint there, if any, is still complete"
-        )
+    return verdict
 
 
 def _write_manifest(
@@ -399,6 +421,9 @@ def load(
             f"from"
         )
     pipe.load_state_dict(model)
+    scales = [c["loss_scale"] for c in contents if c.get("loss_scale")]
+    if pipe.scaler is not None and scales:  # float16: go on with the scale it had reached
+        pipe.scaler.load_state_dict(scales[0])
     if optimizer is not None:
         _load_optimizer(pipe, optimizer, [c["optimizer"] for c in contents if c["optimizer"]])
     return manifest
