@@ -499,3 +499,45 @@ def test_tracing_and_clipping_share_no_messages(tmp_path: Path) -> None:
     for norms in values(run_threads(fn, 2)):
         assert norms == pytest.approx([want] * 4, rel=1e-5)
     assert [s.step for s in load_steps(tmp_path)] == [0, 1, 2, 3]
+
+
+def _written_run(directory: Path, steps: int) -> Path:
+    """A run of ``steps`` literal steps written by a TraceWriter; returns its events.jsonl."""
+    writer = TraceWriter(directory, tensorboard=False, images=False)
+    writer.open({"chunks": 1})
+    writer.add_plan("1/train", lower(build("gpipe", 2, 1)))
+    for n in range(steps):
+        writer.write(StepTrace(n, 100.0, 0.5, 8, _step().ranks, "1/train"))
+    writer.close()
+    return directory / "events.jsonl"
+
+
+def test_a_cut_off_last_line_is_left_out_with_a_note(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from asyncpipe.trace.__main__ import main
+
+    events = _written_run(tmp_path, 3)
+    text = events.read_text()
+    events.write_text(text[: len(text) - 40])  # rank 0 killed while it wrote step 2
+    with pytest.warns(UserWarning, match=r"events.jsonl, line 3 \(the last\) is not a whole"):
+        assert [s.step for s in load_steps(tmp_path)] == [0, 1]
+    assert main([str(tmp_path), "--no-png"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("1 steps, mean step")
+    assert "note: " in captured.err and "line 3 (the last) is not a whole step" in captured.err
+
+
+def test_a_bad_line_before_the_last_is_an_error_naming_file_and_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from asyncpipe.trace.__main__ import main
+
+    events = _written_run(tmp_path, 3)
+    lines = events.read_text().splitlines()
+    events.write_text("\n".join([lines[0], lines[1][:50], lines[2]]) + "\n")
+    with pytest.raises(ValueError, match=r"events.jsonl, line 2 of 3 is not \(") as info:
+        load_steps(tmp_path)
+    assert "delete that line" in str(info.value)
+    assert main([str(tmp_path)]) == 2
+    assert f"{events}, line 2 of 3" in capsys.readouterr().err

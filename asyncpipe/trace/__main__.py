@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from collections.abc import Sequence
 
 from .render import render
@@ -22,11 +23,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="where to write (default: the directory)")
     parser.add_argument("--no-png", action="store_true", help="skip the PNG (needs Pillow)")
     args = parser.parse_args(argv)
-    try:
-        render(args.directory, step=args.step, out=args.out, images=not args.no_png)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    with warnings.catch_warnings(record=True) as notes:
+        warnings.simplefilter("always")
+        try:
+            render(args.directory, step=args.step, out=args.out, images=not args.no_png)
+        except (FileNotFoundError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        finally:
+            for note in notes:
+                print(f"note: {note.message}", file=sys.stderr)
     return 0
 
 

@@ -159,12 +159,37 @@ def load_plans(directory: str | os.PathLike[str]) -> dict[str, Plan]:
 
 
 def load_steps(directory: str | os.PathLike[str]) -> list[StepTrace]:
-    """The steps of a recorded run, in order."""
+    """The steps of a recorded run, in order.
+
+    A last line that does not parse is a step cut off while it was written (rank 0 killed, or
+    the file read while a run writes it): it is left out with a warning. A bad line before the
+    last is an error that names the file and the line.
+    """
     path = Path(directory) / EVENTS
     if not path.exists():
         raise FileNotFoundError(
             f"{path} does not exist: pass the directory given to AsyncPipe(trace=...), after "
             f"the run wrote at least one step"
         )
-    with path.open() as lines:
-        return [StepTrace.from_json(line) for line in lines if line.strip()]
+    lines = [(n, line) for n, line in enumerate(path.read_text().split("\n"), 1) if line.strip()]
+    steps = []
+    for n, line in lines:
+        try:
+            steps.append(StepTrace.from_json(line))
+        except (ValueError, KeyError, TypeError, IndexError) as e:
+            why = f"{type(e).__name__}: {e}"
+            if isinstance(e, json.JSONDecodeError):  # its "line 1" is the line's own
+                why = f"{e.msg} at column {e.colno}"
+            if n == lines[-1][0]:
+                warnings.warn(
+                    f"{path}, line {n} (the last) is not a whole step, left out: a step cut "
+                    f"off while it was written ({why})",
+                    stacklevel=2,
+                )
+                break
+            raise ValueError(
+                f"every line of a trace but the last must be a recorded step: {path}, line "
+                f"{n} of {lines[-1][0]} is not ({why}); delete that line "
+                f"(or the file) to read the rest"
+            ) from e
+    return steps
