@@ -541,3 +541,17 @@ def test_a_bad_line_before_the_last_is_an_error_naming_file_and_line(
     assert "delete that line" in str(info.value)
     assert main([str(tmp_path)]) == 2
     assert f"{events}, line 2 of 3" in capsys.readouterr().err
+
+
+def test_cli_on_a_data_parallel_trace_names_the_replicas(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from asyncpipe.trace.__main__ import main
+
+    for d in (0, 1):
+        _written_run(tmp_path / f"replica{d}", 2)
+    assert main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path} holds one trace per data-parallel replica" in err, err
+    assert f"({tmp_path / 'replica0'}, {tmp_path / 'replica1'})" in err, err
+    assert main([str(tmp_path / "replica1"), "--no-png"]) == 0

@@ -167,6 +167,16 @@ def load_steps(directory: str | os.PathLike[str]) -> list[StepTrace]:
     """
     path = Path(directory) / EVENTS
     if not path.exists():
+        replicas = sorted(
+            (p for p in Path(directory).glob("replica*") if (p / EVENTS).exists()),
+            key=lambda p: (len(p.name), p.name),
+        )
+        if replicas:  # AsyncPipe(trace=DIR, data_parallel_size=N) writes DIR/replica<d>
+            names = ", ".join(str(p) for p in replicas)
+            raise FileNotFoundError(
+                f"{directory} holds one trace per data-parallel replica, not one trace: pass "
+                f"one of them ({names})"
+            )
         raise FileNotFoundError(
             f"{path} does not exist: pass the directory given to AsyncPipe(trace=...), after "
             f"the run wrote at least one step"
