@@ -555,3 +555,47 @@ def test_cli_on_a_data_parallel_trace_names_the_replicas(
     assert f"{tmp_path} holds one trace per data-parallel replica" in err, err
     assert f"({tmp_path / 'replica0'}, {tmp_path / 'replica1'})" in err, err
     assert main([str(tmp_path / "replica1"), "--no-png"]) == 0
+
+
+def test_a_second_run_into_the_directory_goes_on_after_the_first(tmp_path: Path) -> None:
+    """A restarted job traced into the same directory appends: its steps are numbered after
+    the recorded ones, in events.jsonl and TensorBoard alike, and plans.json keeps both runs'
+    plans (another schedule's plan under the same key gets a key of its own)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    model = mlp(4)
+
+    def run(schedule: str, steps: int) -> None:
+        def fn(rank: int, transport: Transport) -> None:
+            pipe = AsyncPipe(
+                model, [2, 2], chunks=4, transport=transport, timeout=20, trace=tmp_path,
+                schedule=schedule, trace_every=2,
+            )  # fmt: skip
+            for _ in range(steps):
+                pipe.step(torch.randn(8, 8), torch.randn(8, 8), mse)
+            pipe.close()
+
+        values(run_threads(fn, 2))
+
+    run("gpipe", 3)
+    events = tmp_path / "events.jsonl"
+    with events.open("a") as f:
+        f.write('{"step":3,"origin":1.0,"lo')  # a step cut off when the first job was killed
+    run("gpipe", 2)
+    run("1f1b", 2)
+    steps = load_steps(tmp_path)
+    assert [s.step for s in steps] == [0, 1, 2, 3, 4, 5, 6]
+    assert [s.plan for s in steps] == ["4/train"] * 5 + ["4/train#2"] * 2
+    plans = load_plans(tmp_path)
+    assert plans == {
+        "4/train": lower(build("gpipe", 2, 4)),
+        "4/train#2": lower(build("1f1b", 2, 4)),
+    }
+    board = EventAccumulator(str(tmp_path), size_guidance={"images": 0, "scalars": 0})
+    board.Reload()
+    losses = board.Scalars("train/loss")
+    assert [e.step for e in losses] == [s.step for s in steps]
+    assert [e.value for e in losses] == pytest.approx([s.loss for s in steps], rel=1e-6)
+    assert [e.step for e in board.Images("timeline")] == [0, 2, 4, 6]
+    assert [e.step for e in board.Tensors("config/text_summary")] == [0, 3, 5]
+    assert render(tmp_path, quiet=True, images=False).step.step == 4  # the most common plan

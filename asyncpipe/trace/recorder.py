@@ -97,7 +97,7 @@ class Recorder:
         self._phase_start: float | None = None
         self._phase_end = 0.0
         self._extra: list[Event] = []
-        self._plans: set[str] = set()
+        self._plans: dict[str, str] = {}  # a step's plan key -> the writer's key for it
         self._inbox: deque[tuple[dict[str, Any], dict[int, PendingRecv]]] = deque()
         self._lag = 1 if transport.early_receives else 0
         self._queue: queue.Queue[tuple[dict[str, Any], dict[int, bytes]] | None] = queue.Queue()
@@ -189,7 +189,7 @@ class Recorder:
             return
         key = f"{microbatches}/{window or ('train' if train else 'eval')}"
         if key not in self._plans:
-            self._plans.add(key)
+            self._plans[key] = key
             if window is not None:
                 cut = stream_window(key)
                 if cut is None:
@@ -199,11 +199,13 @@ class Recorder:
                     )
                 world, lookahead = self.transport.world_size, cut[2]
                 stream = two_bw(world, microbatches, STREAM_BATCHES, lookahead=lookahead)
-                self.writer.add_plan(key, lower(stream))
+                stored = self.writer.add_plan(key, lower(stream))
             else:
                 plan = lower(self.plan_for(microbatches))
-                self.writer.add_plan(key, plan if train else forward_only(plan))
-        payload.update(step=step, loss=loss, plan=key)
+                stored = self.writer.add_plan(key, plan if train else forward_only(plan))
+            self._plans[key] = stored if isinstance(stored, str) else key
+        # numbered after the steps an earlier run recorded in the directory
+        payload.update(step=self.writer.first_step + step, loss=loss, plan=self._plans[key])
         peers = range(1, self.transport.world_size)
         # Two slots: a slot's next receive is posted only after its last message was taken,
         # so a transport that sizes receives by slot (p2p over gloo) sees them in order.

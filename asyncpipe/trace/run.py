@@ -44,6 +44,17 @@ def window_name(window: str, lookahead: int = 1) -> str:
     return "2bw" + (f"-lookahead{lookahead}" if lookahead != 1 else "") + ending
 
 
+def plan_kind(key: str) -> str:
+    """A plan key without its revision: a run into a directory that holds an earlier run
+    whose plan under the same key differs records its own as ``key#2`` (``#3``, ...).
+
+    Example:
+        >>> plan_kind("8/train#2"), plan_kind("8/eval")
+        ('8/train', '8/eval')
+    """
+    return key.partition("#")[0]
+
+
 def stream_window(key: str) -> tuple[int, int, int] | None:
     """(micro-batches, window, lookahead) of a 2BW step's plan key, or None for a step that
     runs its whole plan.
@@ -51,10 +62,10 @@ def stream_window(key: str) -> tuple[int, int, int] | None:
     Example:
         >>> stream_window("8/2bw"), stream_window("8/2bw-drain"), stream_window("8/train")
         ((8, 1, 1), (8, 3, 1), None)
-        >>> stream_window("8/2bw-lookahead2-first")
+        >>> stream_window("8/2bw-lookahead2-first#2")
         (8, 0, 2)
     """
-    count, _, name = key.partition("/")
+    count, _, name = plan_kind(key).partition("/")
     found = _WINDOW.fullmatch(name)
     if found is None or not count.isdigit():
         return None

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ..schedule import Plan, format_plan, parse_plan
-from .run import StepTrace
+from .run import StepTrace, plan_kind
 
 __all__ = ["TraceWriter"]
 
@@ -39,6 +39,14 @@ class TraceWriter:
     - at :meth:`close`: ``trace.json`` (Chrome trace / Perfetto), ``timeline.png`` and
       ``timeline.html`` (see :func:`~asyncpipe.trace.render`).
 
+    A run into a directory that already holds one (a job restarted after a failure) goes on
+    where it ended: its steps are numbered from one past the last recorded step
+    (:attr:`first_step`) in ``events.jsonl`` and TensorBoard alike, a last line cut off
+    while it was written is dropped, ``plans.json`` keeps the earlier plans (a plan that
+    differs from the one recorded under its key is stored as ``key#2``), and ``config.json``
+    holds the latest configuration (TensorBoard's ``config`` text has one per run, at its
+    first step). Pass a new directory to start from step 0.
+
     Args:
         directory: where to write (created if missing).
         every: steps between timeline images (the first step gets one).
@@ -65,12 +73,20 @@ class TraceWriter:
         self.directory = Path(directory)
         self.every, self.images, self.tensorboard = every, images, tensorboard
         self.plans: dict[str, Plan] = {}
+        self.first_step = 0
+        """The number of this run's first step: one past the last step recorded in the
+        directory (0 in a new one); set by :meth:`open`."""
+        self._earlier: set[str] = set()
         self._events: IO[str] | None = None
         self._board: Any = None
 
     def open(self, config: Mapping[str, object]) -> None:
-        """Start a run: create the directory, write the configuration."""
+        """Start a run: create the directory, write the configuration; in a directory that
+        holds a recorded run, go on after its last step (see :attr:`first_step`)."""
         self.directory.mkdir(parents=True, exist_ok=True)
+        self.first_step = _recorded_end(self.directory / EVENTS)
+        self.plans = {**load_plans(self.directory), **self.plans}
+        self._earlier = set(self.plans)
         if self.images and importlib.util.find_spec("PIL") is None:
             warnings.warn(
                 "timeline images need Pillow, which is not installed; the trace is written "
@@ -79,19 +95,27 @@ class TraceWriter:
             )
             self.images = False
         (self.directory / CONFIG).write_text(json.dumps(dict(config), indent=1, default=str))
-        self._events = (self.directory / EVENTS).open("w")
+        self._events = (self.directory / EVENTS).open("a")
         if self.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self._board = SummaryWriter(str(self.directory), flush_secs=10)
             table = "\n".join(f"| {key} | {value} |" for key, value in config.items())
-            self._board.add_text("config", "| setting | value |\n|---|---|\n" + table, 0)
+            text = "| setting | value |\n|---|---|\n" + table
+            self._board.add_text("config", text, self.first_step)
 
-    def add_plan(self, key: str, plan: Plan) -> None:
-        """Keep a lowered plan the steps refer to by ``key``."""
-        self.plans[key] = plan
+    def add_plan(self, key: str, plan: Plan) -> str:
+        """Keep a lowered plan the steps refer to; returns its key in ``plans.json``:
+        ``key``, or ``key#2`` (``#3``, ...) where an earlier run in the directory recorded
+        another plan under ``key``."""
+        stored, revision = key, 1
+        while stored in self._earlier and self.plans[stored] != plan:
+            revision += 1
+            stored = f"{key}#{revision}"
+        self.plans[stored] = plan
         text = {k: format_plan(p) for k, p in self.plans.items()}
         (self.directory / PLANS).write_text(json.dumps(text, indent=1))
+        return stored
 
     def write(self, step: StepTrace) -> None:
         """Record one step (called on rank 0, one step behind the pipeline)."""
@@ -103,7 +127,7 @@ class TraceWriter:
             return
         n = step.step
         seconds = step.makespan
-        if step.plan.endswith("/eval"):  # inference between training steps: kept apart
+        if plan_kind(step.plan).endswith("/eval"):  # inference between training steps: kept apart
             board.add_scalar("eval/step_seconds", seconds, n)
             if step.samples and seconds > 0:
                 board.add_scalar("eval/samples_per_second", step.samples / seconds, n)
@@ -148,6 +172,23 @@ class TraceWriter:
         from .render import render
 
         render(self.directory, quiet=True, images=self.images)
+
+
+def _recorded_end(path: Path) -> int:
+    """One past the last step recorded in ``path`` (0 without one); a last line cut off while
+    it was written (no newline after it) is removed, so the next step starts a line."""
+    if not path.exists():
+        return 0
+    data = path.read_bytes()
+    whole = data.rfind(b"\n") + 1
+    if whole < len(data):
+        os.truncate(path, whole)
+    for line in reversed(data[:whole].splitlines()):
+        try:
+            return int(json.loads(line)["step"]) + 1
+        except (ValueError, KeyError, TypeError):
+            continue
+    return 0
 
 
 def load_plans(directory: str | os.PathLike[str]) -> dict[str, Plan]:
