@@ -14,7 +14,7 @@ import torch
 from models import mlp, reference
 from threads import run_threads, values
 from torch import nn
-from trace_workers import traced_run, traced_two_bw
+from trace_workers import traced_failure, traced_run, traced_two_bw
 
 from asyncpipe import AsyncPipe
 from asyncpipe.schedule import build, lower, two_bw
@@ -599,3 +599,20 @@ def test_a_second_run_into_the_directory_goes_on_after_the_first(tmp_path: Path)
     assert [e.step for e in board.Images("timeline")] == [0, 2, 4, 6]
     assert [e.step for e in board.Tensors("config/text_summary")] == [0, 3, 5]
     assert render(tmp_path, quiet=True, images=False).step.step == 4  # the most common plan
+
+
+@pytest.mark.slow
+def test_a_failed_step_leaves_every_completed_step_in_the_trace(tmp_path: Path) -> None:
+    """Three steps complete, the fourth fails on the last stage: close() writes all three
+    (it dropped the last completed one, whose payloads rank 0 takes a step late) without
+    waiting out the pipeline's timeout."""
+    from spawn import run_ranks
+
+    results = run_ranks(traced_failure, 2, str(tmp_path), 3, timeout=120)
+    for losses, failure, seconds in results:
+        assert len(losses) == 3 and "boom" in failure, failure
+        assert seconds < 10
+    steps = load_steps(tmp_path)
+    assert [s.step for s in steps] == [0, 1, 2]
+    assert [s.loss for s in steps] == pytest.approx(results[0][0], rel=1e-6)
+    assert set(steps[2].ranks) == {0, 1}

@@ -78,3 +78,36 @@ def traced_two_bw(
     losses.append(pipe.flush())
     pipe.close()
     return losses
+
+
+class _FailsOnCall(nn.Module):
+    """A linear layer whose forward raises on call ``when`` (counting from 1)."""
+
+    def __init__(self, when: int) -> None:
+        super().__init__()
+        self.linear, self.when, self.calls = nn.Linear(8, 8), when, 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        if self.calls == self.when:
+            raise ValueError("boom")
+        return self.linear(x)
+
+
+def traced_failure(rank: int, world: int, directory: str, good_steps: int) -> Any:
+    """``good_steps`` traced steps over two stages (chunks 2), then one whose forward fails on
+    the last stage; returns the losses, the failure and how long ``close()`` took."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), _FailsOnCall(2 * good_steps + 1))
+    pipe = AsyncPipe(model, [1, 1], chunks=2, checkpoint="never", timeout=20, trace=directory)
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    losses: list[float] = []
+    failure = ""
+    try:
+        for _ in range(good_steps + 1):
+            losses.append(pipe.step(x, y, nn.functional.mse_loss))
+    except Exception as e:
+        failure = f"{type(e).__name__}: {e}"
+    began = time.monotonic()
+    pipe.close()
+    return losses, failure, time.monotonic() - began

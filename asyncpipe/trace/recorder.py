@@ -42,6 +42,7 @@ from .writer import TraceWriter
 __all__: list[str] = []
 
 _POLL = 0.25  # seconds between the writer thread's batches
+_SALVAGE = 5.0  # seconds close() gives, after a failure, to payloads of the completed steps
 
 
 def peak_memory(device: torch.device) -> int:
@@ -148,7 +149,7 @@ class Recorder:
         """Write what rank 0 holds when the process ends without :meth:`close` (the peers'
         payloads still on their way are dropped: the process group may be gone)."""
         with contextlib.suppress(Exception):
-            self.close(drain=False)
+            self._finish(None)
 
     def add(self, report: StepReport) -> None:
         """One run of the runtime (a whole step, or its forward or backward phase)."""
@@ -214,11 +215,15 @@ class Recorder:
         while len(self._inbox) > self._lag:
             self._collect(*self._inbox.popleft())
 
-    def _collect(self, own: dict[str, Any], pending: dict[int, PendingRecv]) -> None:
-        """Take the peers' payloads of one step and hand them to the writer thread."""
+    def _collect(
+        self, own: dict[str, Any], pending: dict[int, PendingRecv], deadline: float | None = None
+    ) -> None:
+        """Take the peers' payloads of one step (by ``deadline``, a ``time.monotonic()``, if
+        given) and hand them to the writer thread."""
         raw = {}
         for peer, receive in pending.items():
-            message = receive.wait(self.timeout)
+            left = self.timeout if deadline is None else max(deadline - time.monotonic(), 0.01)
+            message = receive.wait(left)
             tensor = message.tensors[0] if message.tensors else None
             if message.error is not None or tensor is None:
                 raise RuntimeError(f"rank {peer} sent no trace of step {own['step']}")
@@ -246,20 +251,41 @@ class Recorder:
                         self._error = e
 
     def close(self, drain: bool = True) -> None:
-        """Write what is still due (``drain``) and close the writer; rank 0 also renders the
-        timeline and the Chrome trace of the run."""
+        """Write what is still due and close the writer; rank 0 also renders the timeline and
+        the Chrome trace of the run.
+
+        ``drain=False`` (the pipeline failed): every step that completed is still written,
+        but its peers' payloads get a few seconds in all, not the pipeline's timeout, and a
+        step whose payloads do not come (a peer that failed before it sent them) is left
+        out, with the steps after it."""
+        self._finish(self.timeout if drain else min(self.timeout, _SALVAGE), strict=drain)
+
+    def _finish(self, wait: float | None, strict: bool = False) -> None:
+        """Close: take the steps still due within ``wait`` seconds (none if None); with
+        ``strict``, a payload that does not come is an error."""
         if self.closed:
             return
         self.closed = True
         atexit.unregister(self._at_exit)
         if self.rank != 0:
-            if drain and self.started:
+            if wait is not None and self.started:
                 with contextlib.suppress(Exception):
-                    self.transport.flush(self.timeout)
+                    if strict:
+                        self.transport.flush(wait)
+                    else:  # only the payloads: sends to a failed peer may never complete
+                        for slot in (0, 1):
+                            self.transport.settle(0, TRACE_CHANNEL, slot, wait)
             return
+        deadline = None if wait is None else time.monotonic() + wait
         try:
-            while drain and self._inbox:
-                self._collect(*self._inbox.popleft())
+            while deadline is not None and self._inbox:
+                if strict:
+                    self._collect(*self._inbox.popleft())
+                    continue
+                try:
+                    self._collect(*self._inbox.popleft(), deadline=deadline)
+                except Exception:  # noqa: BLE001 - a failed peer sent no payload: stop here
+                    break
         finally:
             self._inbox.clear()
             if self._thread is not None:
