@@ -225,3 +225,133 @@ def test_auto_balance_needs_a_sample_and_torch_distributed() -> None:
     status, error = run_threads(make, 2)[0]
     assert status == "error" and isinstance(error, ValueError)
     assert "pass sample=" in str(error) and "call asyncpipe.balance.by_time once" in str(error)
+
+
+# ----- 2BW: ranked by its steady-state step -------------------------------------------------
+
+_NO_LINK = Link(latency=0.0, bandwidth=float("inf"), post=0.0)
+
+
+def test_plan_ranks_2bw_by_its_steady_state_step_below_1f1b() -> None:
+    f = 0.001  # 8 layers, 2 per stage: a stage's forward 2f, backward 4f
+    ranking = balance.plan(
+        _flat(f, 2 * f, 8, (1,)), 4, 8, stages=[4], chunks=[8], schedules=("1f1b", "2bw"),
+        link=_NO_LINK,
+    )  # fmt: skip
+    two_bw, one_f_one_b = ranking.candidates
+    assert (two_bw.schedule, one_f_one_b.schedule) == ("2bw", "1f1b")
+    assert two_bw.balance == one_f_one_b.balance == (2, 2, 2, 2)
+    # 1F1B pays the fill and drain every step; 2BW's steady step is a stage's compute alone
+    assert one_f_one_b.seconds == pytest.approx((8 + 4 - 1) * 6 * f)
+    assert two_bw.seconds == pytest.approx(8 * 6 * f)
+    assert two_bw.bubble == pytest.approx(0.0, abs=1e-9) and two_bw.lookahead == 1
+    assert "(steady state)" in str(two_bw) and "best: 2bw" in ranking.reason
+
+
+def test_plan_counts_2bw_memory_as_2bw_holds_it() -> None:
+    # one layer per stage: 100 bytes of parameters, 64 bytes of activations per micro-batch
+    def memory(schedule: str, lookahead: int = 1) -> int:
+        ranking = balance.plan(
+            _flat(0.001, 0.002, 4, (1,)), 4, 8, stages=[4], chunks=[8], schedules=[schedule],
+            link=_NO_LINK, lookahead=lookahead,
+        )  # fmt: skip
+        return ranking.best.memory
+
+    # rank 0 holds 4 micro-batches (1F1B's spacing); 2BW adds the stash and the finished
+    # gradient kept beside the next mini-batch's
+    assert memory("1f1b") == 2 * 100 + 4 * 64
+    assert memory("2bw") == 4 * 100 + 4 * 64
+    assert memory("2bw", lookahead=2) == 4 * 100 + 7 * 64  # 2 * (stages - 0) - 1 in flight
+
+
+def test_plan_predicts_2bw_lookahead_hiding_message_latency() -> None:
+    # forward 1 ms, backward 2 ms per stage, a message 0.5 ms (as in tests/test_2bw.py)
+    link = Link(latency=0.0005, bandwidth=float("inf"), post=0.0)
+    profile = _flat(0.001, 0.002, 4, (1,))
+
+    def best(lookahead: int) -> balance.Candidate:
+        return balance.plan(
+            profile, 4, 8, stages=[4], chunks=[8], schedules=["2bw"], link=link,
+            lookahead=lookahead,
+        ).best  # fmt: skip
+
+    assert best(1).seconds == pytest.approx(0.024 + 8 * 2 * 3 * 0.0005 / 4)
+    assert best(2).seconds == pytest.approx(0.024) and best(2).lookahead == 2
+    assert "2bw lookahead 2," in str(best(2))
+
+
+def test_steady_step_is_exact_where_steps_alternate() -> None:
+    from asyncpipe.balance.steady import steady_step
+    from asyncpipe.schedule import Costs, simulate, two_bw
+
+    costs = Costs(forward=1, backward=2, send=0.5)
+    spans = [simulate(two_bw(2, 1, batches=n), costs).makespan for n in range(1, 8)]
+    # one more mini-batch adds 3, then 4, then 3, ...: neither difference alone is the step
+    assert [b - a for a, b in zip(spans, spans[1:])] == [3.0, 4.0, 3.0, 4.0, 3.0, 4.0]
+    found = steady_step(2, 1, costs)
+    assert found.seconds == 3.5 and found.repeats
+    assert steady_step(4, 8, Costs(forward=1, backward=2)).seconds == 24.0
+
+
+# ----- plan's arguments ---------------------------------------------------------------------
+
+
+class _Untouchable(Profile):
+    def at(self, rows: float) -> list[LayerProfile]:
+        raise AssertionError("plan estimated a layer before checking its arguments")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"schedules": ("1F1B",)}, ValueError, r"in lower case \(unknown: \['1F1B'\]\); pass "
+         r"schedules=\['1f1b'\]"),
+        ({"schedules": ("fast",)}, ValueError, r"unknown: \['fast'\]\); pass names from"),
+        ({"schedules": "1f1b"}, TypeError, r"sequence of schedule names \(got '1f1b'\); pass "
+         r"a list or tuple"),
+        ({"schedules": ()}, ValueError, r"at least one schedule \(got \(\)\); pass some of"),
+        ({"chunks": [0]}, ValueError, r"chunks must be positive ints \(bad: \[0\]\); pass "
+         r"divisors of batch_size, e.g. \[1, 2, 4, 8\]"),
+        ({"chunks": [16, 3]}, ValueError, r"must divide batch_size.*batch_size: 8, not "
+         r"dividing: \[16, 3\]\); pass divisors"),
+        ({"chunks": 8}, TypeError, r"chunks must be a sequence of ints \(got int\)"),
+        ({"stages": [0]}, ValueError, r"stages must be positive ints \(bad: \[0\]\); pass "
+         r"stage counts from 1 to 2"),
+        ({"stages": [3]}, ValueError, r"may exceed world_size \(world_size: 2, stages: \[3\]\); "
+         r"pass stages from 1 to 2"),
+        ({"link": 0.001}, TypeError, r"link must be an asyncpipe.balance.Link \(got float\)"),
+        ({"link": Link(latency=-1.0)}, ValueError, r"latency >= 0.*got Link\(latency=-1.0"),
+        ({"memory_limit": 0}, ValueError, r"memory_limit must be a positive number of bytes"),
+        ({"memory_limit": "1G"}, TypeError, r"memory_limit must be a number of bytes or None"),
+        ({"lookahead": 2}, ValueError, r"lookahead=2 applies to schedule '2bw' only.*add "
+         r"'2bw' to schedules or pass lookahead=1"),
+        ({"lookahead": 0, "schedules": ["2bw"]}, ValueError, r"lookahead must be a positive "
+         r"int \(got 0\)"),
+    ],
+)  # fmt: skip
+def test_plan_refuses_each_bad_argument_before_any_work(
+    kwargs: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    profile = _Untouchable((1,), _flat(1, 2, 4, (1,)).layers)
+    with pytest.raises(error, match=message):
+        balance.plan(profile, 2, 8, **kwargs)
+
+
+def test_plan_lists_every_bad_argument_at_once() -> None:
+    with pytest.raises(ValueError) as caught:
+        balance.plan(
+            _flat(1, 2, 4, (1,)), 2, 8, stages=[5], chunks=[0], schedules=["1F1B", "gpipe"],
+            link="fast", lookahead=3,
+        )  # fmt: skip
+    text = str(caught.value)
+    for part in ("world_size (world_size: 2", "layers: 4, stages: [5]", "chunks must be",
+                 "unknown: ['1F1B']", "link must be", "lookahead=3 applies"):  # fmt: skip
+        assert part in text, (part, text)
+    with pytest.raises(TypeError, match=r"profile must be a Profile \(got list\)"):
+        balance.plan([], 2, 8)  # type: ignore[arg-type]
+
+
+def test_plan_says_why_nothing_could_be_built() -> None:
+    with pytest.raises(ValueError, match=r"no configuration.*2bw, 4 stages, 2 chunks: .*needs at "
+                       r"least lookahead \* \(stages - 1\) micro-batches"):  # fmt: skip
+        balance.plan(_flat(1, 2, 4, (1,)), 4, 8, stages=[4], chunks=[2], schedules=["2bw"])
