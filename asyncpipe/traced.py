@@ -4,6 +4,7 @@ user's spans (``trace_span``, ``trace_optimizer``)."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import os
 from pathlib import Path
@@ -54,8 +55,13 @@ class TracedSteps:
         self._recorder = None
         if trace is None:
             return
-        if not isinstance(trace, TraceWriter) and self.data_parallel_size > 1:
-            trace = Path(trace) / f"replica{self.data_parallel_rank}"  # one per pipeline
+        if self.data_parallel_size > 1:  # one trace per replica: they must not share files
+            replica = f"replica{self.data_parallel_rank}"
+            if isinstance(trace, TraceWriter):  # a copy: the caller's writer keeps its own
+                trace = copy.copy(trace)
+                trace.directory, trace.plans = trace.directory / replica, dict(trace.plans)
+            else:
+                trace = Path(trace) / replica
         writer = trace if isinstance(trace, TraceWriter) else TraceWriter(trace, trace_every)
         config = {
             "ranks": self.num_stages,

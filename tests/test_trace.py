@@ -14,7 +14,7 @@ import torch
 from models import mlp, reference
 from threads import run_threads, values
 from torch import nn
-from trace_workers import traced_failure, traced_run, traced_two_bw
+from trace_workers import traced_failure, traced_replicas, traced_run, traced_two_bw
 
 from asyncpipe import AsyncPipe
 from asyncpipe.schedule import build, lower, two_bw
@@ -616,3 +616,24 @@ def test_a_failed_step_leaves_every_completed_step_in_the_trace(tmp_path: Path) 
     assert [s.step for s in steps] == [0, 1, 2]
     assert [s.loss for s in steps] == pytest.approx(results[0][0], rel=1e-6)
     assert set(steps[2].ranks) == {0, 1}
+
+
+@pytest.mark.slow
+def test_replicas_traced_through_one_writer_write_a_trace_each(tmp_path: Path) -> None:
+    """AsyncPipe(trace=TraceWriter(DIR), data_parallel_size=2): each replica's first rank
+    writes into DIR/replica<d>, as with trace=DIR (both wrote DIR/events.jsonl, mixing their
+    lines, and close() failed reading it back)."""
+    from spawn import run_ranks
+
+    results = run_ranks(traced_replicas, 4, str(tmp_path), 3, timeout=240)
+    for replica, where, writer, _ in results:
+        assert where == str(tmp_path / f"replica{replica}") and writer == str(tmp_path)
+    assert sorted(r[0] for r in results) == [0, 0, 1, 1]
+    assert not (tmp_path / "events.jsonl").exists()
+    for replica, _, _, losses in results:
+        steps = load_steps(tmp_path / f"replica{replica}")
+        assert [s.step for s in steps] == [0, 1, 2]
+        assert [s.loss for s in steps] == pytest.approx(losses, rel=1e-6)
+        assert set(steps[0].ranks) == {0, 1}
+    by_replica = {replica: losses for replica, _, _, losses in results}
+    assert by_replica[0] != by_replica[1]  # each trace has its own replica's steps

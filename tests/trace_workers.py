@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from asyncpipe import AsyncPipe
+from asyncpipe.trace import TraceWriter
 
 FORWARD_SECONDS = 0.01
 
@@ -111,3 +112,21 @@ def traced_failure(rank: int, world: int, directory: str, good_steps: int) -> An
     began = time.monotonic()
     pipe.close()
     return losses, failure, time.monotonic() - began
+
+
+def traced_replicas(rank: int, world: int, directory: str, steps: int) -> Any:
+    """Two replicas of a two-stage pipeline traced through one ``TraceWriter(directory)``;
+    returns the replica, its trace directory, the writer's directory and the losses."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+    writer = TraceWriter(directory, every=1)
+    pipe = AsyncPipe(
+        model, [2, 2], chunks=2, timeout=30, trace=writer, data_parallel_size=world // 2
+    )
+    generator = torch.Generator().manual_seed(pipe.data_parallel_rank)
+    losses = []
+    for _ in range(steps):
+        x, y = torch.randn(4, 8, generator=generator), torch.randn(4, 8, generator=generator)
+        losses.append(pipe.step(x, y, nn.functional.mse_loss))
+    pipe.close()
+    return pipe.data_parallel_rank, str(pipe.trace_directory), str(writer.directory), losses

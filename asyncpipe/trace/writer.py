@@ -47,6 +47,10 @@ class TraceWriter:
     holds the latest configuration (TensorBoard's ``config`` text has one per run, at its
     first step). Pass a new directory to start from step 0.
 
+    With ``data_parallel_size > 1`` every replica writes through a copy of the writer (same
+    class and settings) whose directory is ``directory / "replica<d>"``, as a path given as
+    ``trace`` is split.
+
     Args:
         directory: where to write (created if missing).
         every: steps between timeline images (the first step gets one).
