@@ -14,7 +14,13 @@ import torch
 from models import mlp, reference
 from threads import run_threads, values
 from torch import nn
-from trace_workers import traced_failure, traced_replicas, traced_run, traced_two_bw
+from trace_workers import (
+    traced_failure,
+    traced_remote,
+    traced_replicas,
+    traced_run,
+    traced_two_bw,
+)
 
 from asyncpipe import AsyncPipe
 from asyncpipe.schedule import build, lower, two_bw
@@ -637,3 +643,19 @@ def test_replicas_traced_through_one_writer_write_a_trace_each(tmp_path: Path) -
         assert set(steps[0].ranks) == {0, 1}
     by_replica = {replica: losses for replica, _, _, losses in results}
     assert by_replica[0] != by_replica[1]  # each trace has its own replica's steps
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("close", [False, True])
+def test_single_controller_mode_traces_every_step(tmp_path: Path, close: bool) -> None:
+    """RemotePipe(trace=DIR): shutdown() (or close() before it) finishes every stage's trace,
+    so the last step is recorded too (shutdown only closed the stages' transports, and the
+    trace of a one-step run was empty)."""
+    from spawn import run_ranks
+
+    losses = run_ranks(traced_remote, 2, str(tmp_path), 2, close, timeout=240)[0]
+    steps = load_steps(tmp_path)
+    assert [s.step for s in steps] == [0, 1]
+    assert [s.loss for s in steps] == pytest.approx(losses, rel=1e-6)
+    assert all(set(s.ranks) == {0, 1} for s in steps)
+    assert (tmp_path / "trace.json").exists() and (tmp_path / "timeline.html").exists()

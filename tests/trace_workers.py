@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+import asyncpipe
+import asyncpipe.rpc
 from asyncpipe import AsyncPipe
 from asyncpipe.trace import TraceWriter
 
@@ -130,3 +133,29 @@ def traced_replicas(rank: int, world: int, directory: str, steps: int) -> Any:
         losses.append(pipe.step(x, y, nn.functional.mse_loss))
     pipe.close()
     return pipe.data_parallel_rank, str(pipe.trace_directory), str(writer.directory), losses
+
+
+def traced_remote(rank: int, world: int, directory: str, steps: int, close: bool) -> Any:
+    """Single-controller mode traced into ``directory``: rank 0 drives ``steps`` steps of a
+    ``RemotePipe`` (one stage per rank), then ``close()`` if ``close``, then ``shutdown()``;
+    returns the losses on rank 0."""
+    asyncpipe.init(rpc=True)
+    if rank != 0:
+        asyncpipe.rpc.serve()
+        return None
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(2 * world)])
+    pipe = asyncpipe.rpc.RemotePipe(
+        model, [2] * world, chunks=2, timeout=30, trace=directory, trace_every=1,
+        optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+    )  # fmt: skip
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    losses = []
+    for _ in range(steps):
+        pipe.zero_grad()
+        losses.append(pipe.step(x, y, nn.functional.mse_loss))
+        pipe.optimizer_step()
+    if close:
+        pipe.close()
+    pipe.shutdown()
+    return losses

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import pickle
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -147,7 +148,7 @@ class RemotePipe:
             raise ValueError(f"building the stage of rank {rank} failed: {outcome[1]}")
         self.pipe = remote.Stages.get(self.name)
         self.stages = world
-        self._closed = False
+        self._finished = self._closed = False
 
     # ----- calls on every stage ---------------------------------------------------------------
 
@@ -244,11 +245,33 @@ class RemotePipe:
             out.update(state)
         return out
 
+    def close(self) -> None:
+        """Finish every stage after the last step, as ``AsyncPipe.close()`` does on each: with
+        ``trace=DIR``, rank 0 writes the last step and renders the Chrome trace and the
+        timelines. :meth:`shutdown` calls it if you did not; call it yourself to have a
+        failure raised rather than warned about.
+
+        Example:
+            >>> pipe.close()                                               # doctest: +SKIP
+            >>> pipe.shutdown()                                            # doctest: +SKIP
+        """
+        if self._closed or self._finished:
+            return
+        try:
+            self._each(remote.close, lambda r: ())
+        finally:
+            self._finished = True
+
     def shutdown(self) -> None:
-        """Release the stages, end RPC and the process group; :func:`serve` returns on the
+        """Finish the stages (:meth:`close`, if not done: a failure there is a warning), then
+        release them and end RPC and the process group; :func:`serve` returns on the
         workers."""
         if self._closed:
             return
+        try:
+            self.close()
+        except Exception as e:  # a worker that is gone, a trace that could not be written
+            warnings.warn(f"closing the stages failed, shutting down anyway: {e}", stacklevel=2)
         self._closed = True
         for r in range(self.stages):
             try:

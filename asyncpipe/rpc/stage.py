@@ -129,6 +129,10 @@ def step(pipe: AsyncPipe, input: Any, target: Any, loss_fn: Any) -> float:
     return pipe.step(input, target, loss_fn)
 
 
+def close(pipe: AsyncPipe) -> None:
+    pipe.close()
+
+
 def forward(pipe: AsyncPipe, input: Any) -> Any:
     with torch.no_grad():
         out = pipe(input)
