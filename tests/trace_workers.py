@@ -1,18 +1,23 @@
-"""Worker functions for the multi-process trace tests (run in spawned processes)."""
+"""Workers of the multi-process trace tests (spawned processes), and literal runs for the rest."""
 
 from __future__ import annotations
 
 import functools
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
+from models import mlp
+from threads import run_threads, values
 from torch import Tensor, nn
 
 import asyncpipe
 import asyncpipe.rpc
 from asyncpipe import AsyncPipe
-from asyncpipe.trace import TraceWriter
+from asyncpipe.schedule import build, lower
+from asyncpipe.trace import RankStep, StepTrace, TraceWriter
+from asyncpipe.transport import Transport
 
 FORWARD_SECONDS = 0.01
 
@@ -159,3 +164,40 @@ def traced_remote(rank: int, world: int, directory: str, steps: int, close: bool
         pipe.close()
     pipe.shutdown()
     return losses
+
+
+def literal_step() -> StepTrace:
+    """Step 7 of two ranks, written out by hand."""
+    ranks = {
+        0: RankStep(0.0, 4.0, (("0F0", 0.0, 1.0), ("0SEND_F0->1", 1.0, 1.1), ("0B0", 3.0, 4.0))),
+        1: RankStep(0.5, 3.5, (("wait", 0.5, 1.1), ("1F0", 1.1, 2.0), ("1B0", 2.0, 3.0))),
+    }
+    return StepTrace(7, 100.0, 0.5, 8, ranks)
+
+
+def written_run(directory: Path, steps: int) -> Path:
+    """A run of ``steps`` literal steps written by a TraceWriter; returns its events.jsonl."""
+    writer = TraceWriter(directory, tensorboard=False, images=False)
+    writer.open({"chunks": 1})
+    writer.add_plan("1/train", lower(build("gpipe", 2, 1)))
+    for n in range(steps):
+        writer.write(StepTrace(n, 100.0, 0.5, 8, literal_step().ranks, "1/train"))
+    writer.close()
+    return directory / "events.jsonl"
+
+
+def threaded_run(directory: Path, schedule: str, steps: int) -> None:
+    """``steps`` steps of two stages as threads of this process, traced into ``directory``
+    (timelines every 2 steps), then ``close()``."""
+    model = mlp(4)
+
+    def fn(rank: int, transport: Transport) -> None:
+        pipe = AsyncPipe(
+            model, [2, 2], chunks=4, transport=transport, timeout=20, trace=directory,
+            schedule=schedule, trace_every=2,
+        )  # fmt: skip
+        for _ in range(steps):
+            pipe.step(torch.randn(8, 8), torch.randn(8, 8), nn.functional.mse_loss)
+        pipe.close()
+
+    values(run_threads(fn, 2))
