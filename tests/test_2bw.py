@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from asyncpipe import AsyncPipe
+from asyncpipe.balance.steady import steady_step
 from asyncpipe.schedule import Costs, lower, one_f_one_b, simulate, two_bw, validate
 from asyncpipe.schedule.two_bw import windows
 from asyncpipe.transport import Transport
@@ -202,11 +203,14 @@ def test_lookahead_runs_each_rank_that_many_forwards_ahead_of_the_next() -> None
 
 
 def _steady_step(lookahead: int, latency: float) -> float:
-    """The time one more mini-batch adds to a long stream: the steady-state step."""
+    """The steady-state step: the stream's repeating window (exact), which here equals the
+    time one more mini-batch adds to a long stream (it need not: steps may alternate)."""
     costs = Costs(forward=1, backward=2, send=latency)
+    step = steady_step(4, 8, costs, lookahead).seconds
     longer = simulate(lower(two_bw(4, 8, batches=7, lookahead=lookahead)), costs).makespan
     shorter = simulate(lower(two_bw(4, 8, batches=6, lookahead=lookahead)), costs).makespan
-    return longer - shorter
+    assert step == pytest.approx(longer - shorter)
+    return step
 
 
 def test_a_lookahead_of_two_hides_message_latency_in_the_steady_state() -> None:
