@@ -165,6 +165,11 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+MAX_ACTIONS = 200_000
+"""The most forward and backward actions a named plan may have to be shown (64 ranks x 512
+micro-batches, 65,536 of them, take seconds)."""
+
+
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}es" if noun.endswith("h") else f"{n} {noun}s"
 
@@ -175,6 +180,14 @@ def _named_plan(args: argparse.Namespace) -> tuple[Plan, str]:
         raise _UsageError(
             f"--schedule needs {' and '.join(missing)}, e.g. "
             f"--schedule {args.schedule} --stages 4 --chunks 8"
+        )
+    actions = args.stages * args.virtual_stages * args.chunks * 2
+    if actions > MAX_ACTIONS:
+        raise _UsageError(
+            f"--stages {args.stages} --chunks {args.chunks} make a plan of about {actions:,} "
+            f"actions, more than this command shows ({MAX_ACTIONS:,}: time and memory grow "
+            f"with it, to gigabytes); pass fewer, or simulate it from Python with "
+            f"asyncpipe.schedule.build and simulate"
         )
     try:
         plan = build(args.schedule, args.stages, args.chunks, args.virtual_stages, args.lookahead)
