@@ -120,11 +120,16 @@ class Poisoned(nn.Linear):
         self.weight.register_hook(lambda g: g * math.inf if self.poison else g)
 
 
-def test_an_overflow_on_one_stage_skips_the_step_on_every_stage() -> None:
+def poisoned_job() -> tuple[Poisoned, nn.Sequential, torch.Tensor, torch.Tensor]:
+    """A model whose first layer can overflow on demand, and a batch for it."""
     torch.manual_seed(9)
     poisoned = Poisoned()
     model = nn.Sequential(poisoned, nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
-    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    return poisoned, model, torch.randn(8, 8), torch.randn(8, 8)
+
+
+def test_an_overflow_on_one_stage_skips_the_step_on_every_stage() -> None:
+    poisoned, model, x, y = poisoned_job()
 
     def fn(pipe: AsyncPipe) -> list[Any]:
         out = []
@@ -146,10 +151,7 @@ def test_an_overflow_on_one_stage_skips_the_step_on_every_stage() -> None:
 
 
 def test_an_overflowed_step_with_an_optimizer_clips_and_applies_nothing() -> None:
-    torch.manual_seed(9)
-    poisoned = Poisoned()
-    model = nn.Sequential(poisoned, nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
-    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    poisoned, model, x, y = poisoned_job()
 
     def fn(pipe: AsyncPipe) -> list[Any]:
         optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
