@@ -80,8 +80,9 @@ class GroupRef:
         if group is None:
             raise RuntimeError(
                 "the process group of this pipeline was destroyed (destroy_process_group() or "
-                "asyncpipe.shutdown()); a pipeline cannot run after that: call asyncpipe.init() "
-                "and build a new AsyncPipe"
+                "asyncpipe.shutdown()); a pipeline cannot run after that: restart the job "
+                "(under torchrun, a new asyncpipe.init() in the same processes cannot meet "
+                "again reliably) and build a new AsyncPipe"
             )
         return group
 

@@ -87,18 +87,31 @@ def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--chunks", type=int, default=4)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--depth", type=int, default=6)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--log-every", type=int, default=20)
-    parser.add_argument("--data", type=Path, default=DATA)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0] if __doc__ else None,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--steps", type=int, default=200, help="training steps")
+    parser.add_argument("--chunks", type=int, default=4, help="micro-batches per step")
+    parser.add_argument("--batch-size", type=int, default=16, help="sequences per step")
+    parser.add_argument("--seq-len", type=int, default=64, help="characters per sequence")
+    parser.add_argument("--dim", type=int, default=64, help="model width")
+    parser.add_argument("--depth", type=int, default=6, help="transformer blocks")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads per block")
+    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    parser.add_argument("--log-every", type=int, default=20, help="steps between loss lines")
+    parser.add_argument("--data", type=Path, default=DATA, help="a text file to train on")
     args = parser.parse_args(argv)
+    for name in ("steps", "chunks", "batch_size", "seq_len", "dim", "depth", "heads", "log_every"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.dim % args.heads:
+        parser.error(f"--dim ({args.dim}) must be a multiple of --heads ({args.heads})")
+    if args.batch_size % args.chunks:
+        parser.error(
+            f"--batch-size ({args.batch_size}) must be a multiple of --chunks ({args.chunks}): "
+            f"each micro-batch (and the sample the model is cut on) has batch-size / chunks rows"
+        )
 
     asyncpipe.init()
     rank, world = dist.get_rank(), dist.get_world_size()

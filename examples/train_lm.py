@@ -74,14 +74,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--balance",
         type=str,
         default=None,
-        help="layers per stage, e.g. 2,1,1,3 (default: split by estimated compute)",
+        help="layers per stage, e.g. 2,1,1,3 (none given: split by estimated compute)",
     )
-    parser.add_argument("--log-every", type=int, default=0, help="steps between progress lines")
+    parser.add_argument(
+        "--log-every",
+        type=int,
+        default=0,
+        help="steps between progress lines (0: a tenth of --steps)",
+    )
     parser.add_argument(
         "--threads",
         type=int,
         default=0,
-        help="torch threads per process (default: the CPUs divided by the processes)",
+        help="torch threads per process (0: the CPUs divided by the processes)",
     )
     parser.add_argument(
         "--sample-chars",
@@ -338,7 +343,8 @@ def main() -> None:
             lm_loss,
             optimizer=optimizer,
         )
-        scheduler.step()
+        if not (args.schedule == "2bw" and step == 0):  # 2bw's first update comes one step late
+            scheduler.step()
         finished = time.perf_counter()
         if args.schedule == "2bw" and step == 0:
             loss = math.nan

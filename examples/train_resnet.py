@@ -154,13 +154,30 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=64, help="images per step")
     parser.add_argument("--chunks", type=int, default=4, help="micro-batches per step")
     parser.add_argument("--width", type=int, default=16, help="channels of the first stage")
-    parser.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, interleaved, zero_bubble")
     parser.add_argument(
-        "--checkpoint", choices=("always", "except_last", "never"), default="except_last"
+        "--schedule",
+        default="1f1b",
+        choices=("gpipe", "1f1b", "interleaved", "zero_bubble"),
+        help="pipeline schedule",
+    )
+    parser.add_argument(
+        "--checkpoint",
+        choices=("always", "except_last", "never"),
+        default="except_last",
+        help="which micro-batches recompute their activations in backward",
     )
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (Adam)")
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and data")
-    return parser.parse_args()
+    args = parser.parse_args()
+    for name in ("epochs", "train", "test", "batch_size", "chunks", "width"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.train < args.batch_size:
+        parser.error(
+            f"--train ({args.train}) must hold at least one batch of --batch-size "
+            f"({args.batch_size}) images: an epoch is --train // --batch-size steps"
+        )
+    return args
 
 
 def balance_for(model: nn.Sequential, stages: int) -> list[int]:
