@@ -20,7 +20,9 @@ import asyncpipe
 from asyncpipe import checkpoint
 
 
-def main(ckpt: str, log: str, steps: int, every: int, kill_at: int, signal_at: int) -> None:
+def main(
+    ckpt: str, log: str, steps: int, every: int, kill_at: int, signal_at: int, transport: str
+) -> None:
     rank = int(os.environ["RANK"])
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if attempt > 0:
@@ -28,8 +30,8 @@ def main(ckpt: str, log: str, steps: int, every: int, kill_at: int, signal_at: i
         # previous attempt's addresses in torchrun's store and stall connecting to them.
         os.environ["MASTER_PORT"] = str(int(os.environ["MASTER_PORT"]) + 100 + attempt)
         os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
-    asyncpipe.init(backend="gloo", timeout=60)
-    pipe = asyncpipe.AsyncPipe(training.model(), [4, 4], chunks=2, timeout=20)
+    asyncpipe.init(backend="gloo", timeout=60, rpc=transport == "rpc")
+    pipe = asyncpipe.AsyncPipe(training.model(), [4, 4], chunks=2, timeout=20, transport=transport)
     opt = training.optimizer(pipe.parameters())
     try:
         start = checkpoint.load(pipe, opt, ckpt).step
@@ -53,4 +55,5 @@ def main(ckpt: str, log: str, steps: int, every: int, kill_at: int, signal_at: i
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    main(sys.argv[1], sys.argv[2], *(int(a) for a in sys.argv[3:7]))  # type: ignore[call-arg]
+    transport = sys.argv[7] if len(sys.argv) > 7 else "p2p"
+    main(sys.argv[1], sys.argv[2], *(int(a) for a in sys.argv[3:7]), transport)  # type: ignore[call-arg]

@@ -54,6 +54,16 @@ def test_a_signal_stops_every_rank_at_the_same_step_with_a_checkpoint(tmp_path: 
     assert [loss for _, _, loss in rows] == pytest.approx(uninterrupted(), rel=1e-6)
 
 
+def test_a_signal_over_rpc_ends_every_rank_cleanly(tmp_path: Path) -> None:
+    # before: rank 0 waited for the receipt of its "saved" answer to rank 1, which had taken
+    # it and exited; the receipt never came and rank 0's save failed (exit 1, 2 runs of 3)
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log"
+    args = (str(ckpt), str(log), str(STEPS), "100", "-1", "1", "rpc")
+    first = run_processes(JOB, 2, *args, timeout=120)
+    assert [p.code for p in first] == [0, 0], [p.stderr[-2000:] for p in first]
+    assert checkpoint.read_manifest(ckpt).step == 2
+
+
 def test_elastic_restart_goes_on_from_the_last_checkpoint(tmp_path: Path) -> None:
     ckpt, log = tmp_path / "ckpt", tmp_path / "log"
     command = [

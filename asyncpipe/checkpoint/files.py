@@ -20,6 +20,7 @@ through :func:`consolidate`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -200,7 +201,10 @@ def _answer(pipe: AsyncPipe, verdict: str | None) -> None:
             transport.send(peer, CHECKPOINT_CHANNEL, news)
         except Exception:  # noqa: S112 - a rank that is gone learns nothing, and needs nothing
             continue
-    transport.flush(pipe.timeout)
+    # A peer that took the verdict may end its process at once (GracefulStop exits): over
+    # rpc the receipt of the send then never comes back, which is no failure of the save.
+    with contextlib.suppress(Exception):
+        transport.flush(pipe.timeout)
 
 
 def save(
