@@ -298,8 +298,8 @@ def _trace_directory(path: str) -> list[str]:
 
 def _processes(balance: object, virtual_stages: object) -> str:
     """The number of processes ``balance`` asks for, for an error's hint ("N" if unclear)."""
-    if isinstance(balance, (list, tuple)) and balance and _positive_int(virtual_stages):
-        return str(max(1, len(balance) // int(str(virtual_stages))))
+    if isinstance(balance, (list, tuple)) and balance and isinstance(virtual_stages, int):
+        return str(max(1, len(balance) // max(1, virtual_stages)))
     return "N"
 
 
