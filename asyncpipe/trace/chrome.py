@@ -9,9 +9,17 @@ from .run import StepTrace, kind_of
 
 __all__: list[str] = []
 
+RUN_GAP = 1.0
+"""Seconds left between the end of one run and a later run recorded on an earlier clock."""
+
 
 def chrome_trace(steps: Sequence[StepTrace]) -> dict[str, Any]:
     """The steps as a Chrome trace document (``json.dump`` it), times on rank 0's clock.
+
+    Steps are laid out in the order given. A step whose origin lies before the previous
+    step's (a later run appended to the directory by processes on another host's clock, or
+    after a reboot) is moved, with the steps after it, to begin ``RUN_GAP`` seconds after the
+    latest end so far, so that runs never overlap on the timeline.
 
     Each rank is a process named ``rank <r>`` with one thread; each event is a complete event
     (``"ph": "X"``) named by its action string, its category the kind of event (``compute``,
@@ -53,10 +61,18 @@ def chrome_trace(steps: Sequence[StepTrace]) -> dict[str, Any]:
             }
         )
 
+    shift, latest, previous = 0.0, float("-inf"), float("-inf")
     for s in steps:
+        if s.origin < previous:  # the clock went back: a run recorded on another clock
+            shift = latest + RUN_GAP - s.origin
+        previous = s.origin
+        origin = s.origin + shift
+        ends = [end for part in s.ranks.values() for _, _, end in part.events]
+        ends += [s.makespan, *(end for *_, end in s.extra)]
+        latest = max(latest, origin + max(ends))
         for rank, part in sorted(s.ranks.items()):
             for name, start, end in part.events:
-                add(rank, name, start, end, s.origin, s.step)
+                add(rank, name, start, end, origin, s.step)
         for rank, name, start, end in s.extra:
-            add(rank, name, start, end, s.origin, s.step)
+            add(rank, name, start, end, origin, s.step)
     return {"traceEvents": events, "displayTimeUnit": "ms"}
