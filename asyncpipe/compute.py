@@ -5,6 +5,7 @@ under the checkpoint policy, autocast and a skip tracker; its backward back-prop
 outputs and the skips it stashed, recomputing first when the forward was checkpointed::
 
     F: x (leaves), skips in ──layers──> outputs, skips out      (no_grad when checkpointed)
+       (the layers get aliases of the leaves, or copies when checkpointed: see ``alias``)
     B: [recompute] backward(outputs + skips out, their grads) ─> x.grad, skips-in grads
     W: weight gradients of a backward that B split (zero-bubble schedules)
 """
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .alias import alias, aliases, copies
 from .batchnorm import paused
 from .failure import loss_hint
 from .microbatch import Tensors, as_tensors
@@ -71,8 +73,9 @@ class Compute:
     ) -> tuple[Tensors, Skips]:
         """Run segment ``seg`` on ``x``; return its outputs and the skips it stashed for other
         segments."""
-        value: object = unwrap(x, (seg - 1, i) in work.tuples)
+        value: object = unwrap(aliases(x), (seg - 1, i) in work.tuples)  # in place is fine
         split = (seg, i) in work.split and torch.is_grad_enabled()
+        skips = {k: None if t is None else alias(t) for k, t in skips.items()}
         tracker = SkipTracker(skips, self.routes.crossing(seg), cut=split)
         precision = (
             torch.autocast(self.device.type, dtype=work.autocast)
@@ -125,8 +128,9 @@ class Compute:
             work.peak = max(work.peak, work.live)
             if checkpointed(work.policy, i, work.microbatches):
                 work.rng[(seg, i)] = RNGState.save(self.device)
-                with torch.no_grad():
-                    out, stashed = self._compute(work, seg, i, x, skips)
+                with torch.no_grad():  # on copies: the recompute reads x and skips again
+                    kept = {k: None if t is None else copies((t,))[0] for k, t in skips.items()}
+                    out, stashed = self._compute(work, seg, i, copies(x), kept)
                 # Announce the gradients the recomputed outputs will want.
                 if self._wants_grad(seg, x, skips):
                     out = _announce(out)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from .alias import alias
 from .skip.namespace import SkipKey
 from .skip.tracker import SkipTracker
 
@@ -36,11 +37,17 @@ def flatten(value: object) -> list[Tensor]:
 
 
 def cut(value: object) -> tuple[object, list[Tensor]]:
-    """``value`` with every tensor that carries gradients replaced by a fresh leaf."""
+    """``value`` with every tensor that carries gradients replaced by an alias of a fresh leaf
+    (a layer may modify it in place, see ``alias``), and the tensors the gradients are taken
+    for: those leaves, and the other tensors of ``value``."""
+    found: list[Tensor] = []
 
     def leaf(t: Tensor) -> Tensor:
         if t.requires_grad and t.is_floating_point():
-            return t.detach().requires_grad_(True)
+            fresh = t.detach().requires_grad_(True)
+            found.append(fresh)
+            return alias(fresh)
+        found.append(t)
         return t
 
     if isinstance(value, Tensor):
@@ -49,7 +56,7 @@ def cut(value: object) -> tuple[object, list[Tensor]]:
         new = type(value)(leaf(v) if isinstance(v, Tensor) else v for v in value)
     else:
         new = value
-    return new, flatten(new)
+    return new, found
 
 
 @dataclass

@@ -119,6 +119,37 @@ def test_tuples_with_integer_tensors_cross_stages(policy: str) -> None:
         torch.testing.assert_close(got, want)
 
 
+class Double(nn.Module):
+    """Doubles its input in place: a recompute on an input it changed would double it twice."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.mul_(2)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "zero_bubble"])
+@pytest.mark.parametrize("policy", ["always", "except_last", "never"])
+def test_layers_may_modify_their_input_in_place(schedule: str, policy: str) -> None:
+    # before: a stage that began with nn.ReLU(inplace=True) failed ("a leaf Variable that
+    # requires grad is being used in an in-place operation"), and under zero_bubble so did
+    # any in-place layer, as every layer's input is a leaf there
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 8), Double(), nn.Linear(8, 8)]
+    model = nn.Sequential(*layers)
+    x, y = torch.randn(6, 8), torch.randn(6, 8)
+    want_loss, want_grads = reference(model, x, y, 3, mse)
+
+    def fn(rank: int, transport: Transport) -> float:
+        pipe = AsyncPipe(
+            model, [1, 2, 2], 3, policy, schedule=schedule, transport=transport, timeout=10
+        )
+        return pipe.step(x, y, mse)
+
+    for loss in values(run_threads(fn, 3)):
+        assert loss == pytest.approx(want_loss, rel=1e-6)
+    for got, want in zip(grads_of(list(model.parameters())), want_grads):
+        torch.testing.assert_close(got, want)
+
+
 def test_lazy_modules_are_built_only_by_their_owner() -> None:
     torch.manual_seed(0)
     plain = mlp(4)

@@ -18,6 +18,7 @@ from contextvars import ContextVar
 
 from torch import Tensor
 
+from ..alias import alias
 from .namespace import SkipKey, describe
 
 __all__: list[str] = []
@@ -76,6 +77,8 @@ class SkipTracker:
             if tensor is not None and tensor.requires_grad and tensor.is_floating_point():
                 tensor = tensor.detach().requires_grad_(True)
             self.popped.append((key, tensor))
+            if tensor is not None:
+                tensor = alias(tensor)  # the layer may modify it in place
         return tensor
 
     def take_log(
