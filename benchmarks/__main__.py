@@ -90,11 +90,12 @@ def _shown(path: Path) -> str:
 
 
 def commands(part: Part, args: argparse.Namespace) -> list[list[str]]:
-    """The full command lines of ``part`` in this run."""
-    docs = Path(_shown(args.docs))
+    """The full command lines of ``part`` in this run; one that does not write the docs
+    writes no picture into them either."""
+    docs = Path(_shown(args.docs)) if args.write else None
     out = []
     for argv in part.commands(args.quick, docs, args.device):
-        if args.write:
+        if docs is not None:
             argv += ["--markdown", (docs / part.page).as_posix()]
         out.append([sys.executable, "-m", part.module, *argv])
     return out

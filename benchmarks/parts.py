@@ -31,18 +31,31 @@ class Part:
     minutes: float
     """About how long the full run takes on 2 CPU cores."""
     runs: tuple[tuple[str, ...], ...] = ((),)
-    """The arguments of each command of a full run; ``{docs}`` stands for the docs directory.
-    The runner adds ``--markdown PAGE`` when it writes."""
+    """The arguments of each command of a full run; ``{docs}`` stands for the docs directory
+    (an option whose value names it is left out of a run that does not write the docs). The
+    runner adds ``--markdown PAGE`` when it writes."""
     quick: tuple[tuple[str, ...], ...] = ((),)
     """The same for a quick run: tiny sizes that only show that the part works."""
     device_key: bool = False
     """Its section's key ends in ``device=<cpu|cuda>``: a run writes the key of its device."""
 
-    def commands(self, quick: bool, docs: Path, device: str) -> list[list[str]]:
-        """The argument lists (after ``python -m module``) of this run, ``--markdown`` aside."""
+    def commands(self, quick: bool, docs: Path | None, device: str) -> list[list[str]]:
+        """The argument lists (after ``python -m module``) of this run, ``--markdown`` aside.
+
+        ``docs`` is the docs directory the run writes, or None for a run that leaves the docs
+        alone: then every option whose value lies in it (a picture, the timelines) is left out
+        with its value, so the command only prints.
+        """
         out = []
         for argv in self.quick if quick else self.runs:
-            args = [a.replace("{docs}", str(docs)) for a in argv]
+            args: list[str] = []
+            for a in argv:
+                if "{docs}" not in a:
+                    args.append(a)
+                elif docs is not None:
+                    args.append(a.replace("{docs}", str(docs)))
+                elif args and args[-1].startswith("--"):
+                    args.pop()  # the option that takes this value goes with it
             if self.device_key:
                 args += ["--device", device]
             out.append(args)

@@ -123,6 +123,23 @@ def test_selection_quick_mode_and_where_it_writes(tmp_path: Path) -> None:
     assert suite.key_for("cpu") == ["suite device=cpu"]
 
 
+def test_a_run_that_does_not_write_the_docs_writes_no_picture_into_them(tmp_path: Path) -> None:
+    """--quick without --docs, and --no-write, leave out the pictures' options (the schedule
+    timelines, the traced run's picture) instead of drawing tiny runs over the real ones."""
+    for argv in (["--quick"], ["--no-write"], ["--quick", "--no-write", "--docs", str(tmp_path)]):
+        run = parse_args([*argv, "--device", "cpu"])
+        assert not run.write
+        for part in run.parts:
+            for command in commands(part, run):
+                assert not [a for a in command[3:] if "docs" in a or "_static" in a], command
+    quick = parse_args(["--quick", "--docs", str(tmp_path), "--device", "cpu"])
+    (schedules,) = commands(by_name(["schedules"])[0], quick)
+    assert schedules[schedules.index("--timelines") + 1] == f"{tmp_path}/_static"
+    (full,) = commands(by_name(["trace_example"])[0], parse_args(["--device", "cpu"]))
+    assert full[3:] == ["--picture", "docs/_static/trace_train_lm.png", "--markdown",
+                        "docs/tracing.md"]  # fmt: skip
+
+
 class _Parsed(Exception):
     pass
 
