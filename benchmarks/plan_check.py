@@ -114,17 +114,23 @@ def _link(args: argparse.Namespace, logs: Path) -> Any:
 
 
 def _measure(args: argparse.Namespace, candidate: Any, logs: Path) -> float:
+    """The median step time of ``candidate`` run as a real job.
+
+    Raises:
+        RuntimeError: the job failed, saying why.
+    """
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "seconds.json"
         worker_args = [
             "--worker", "--f-ms", str(args.f_ms), "--batch", str(args.batch),
             "--shape", args.shape, "--chunks", str(candidate.chunks),
-            "--schedule", candidate.schedule, "--steps", str(args.steps),
+            "--schedule", candidate.schedule, "--warmup", str(args.warmup),
+            "--steps", str(args.steps),
             "--balance", ",".join(map(str, candidate.balance)), "--out", str(out),
         ]  # fmt: skip
         result = launch("benchmarks.plan_check", worker_args, candidate.stages, 300.0, logs)
         if not result.ok:
-            raise RuntimeError(f"{candidate}: {result.failure()}")
+            raise RuntimeError(result.failure())
         return statistics.median(json.loads(out.read_text()))
 
 
@@ -229,7 +235,10 @@ def main(argv: list[str] | None = None) -> int:
                 schedules=[candidate.schedule],
                 link=link,
             ).best
-        measured = _measure(args, candidate, logs)
+        try:
+            measured: float | None = _measure(args, candidate, logs)
+        except RuntimeError as exc:  # this configuration's job failed: say so in its row
+            measured, failure = None, str(exc)
         name = (
             f"{candidate.schedule}, {candidate.stages} stages, {candidate.chunks} chunks, "
             f"balance {list(candidate.balance)}"
@@ -240,9 +249,12 @@ def main(argv: list[str] | None = None) -> int:
             best.chunks,
         ):
             name += " (the best)"
+        if measured is None:
+            cells = f"FAILED: {failure.replace('|', '/')} | -"
+        else:
+            cells = f"{measured * 1e3:.1f} | {measured / candidate.seconds:.2f}"
         table.append(
-            f"| {name} | {candidate.seconds * 1e3:.1f} | {measured * 1e3:.1f} | "
-            f"{measured / candidate.seconds:.2f} | {os.getloadavg()[0]:.1f} |"
+            f"| {name} | {candidate.seconds * 1e3:.1f} | {cells} | {os.getloadavg()[0]:.1f} |"
         )
         print(table[-1], flush=True)
     if args.markdown is not None:

@@ -189,3 +189,29 @@ def test_a_quick_run_of_every_part_rewrites_every_section(tmp_path: Path) -> Non
     for picture in ("trace_train_lm.png", "benchmark_suite_cpu.png"):
         assert (docs / "_static" / picture).stat().st_size > 0
     assert list((docs / "_static").glob("schedule_benchmarks_*.svg"))
+
+
+def test_plan_check_runs_the_warmup_it_was_given_and_reports_a_failed_job_in_its_row(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from benchmarks import plan_check
+    from benchmarks.launch import LaunchResult
+
+    calls: list[list[str]] = []
+
+    def launch(module: str, argv: list[str], world: int, *rest: object) -> LaunchResult:
+        calls.append(argv)
+        if len(calls) > 1:  # the second configuration's job fails
+            return LaunchResult([1] * world, False, 0.1, [Path("no-such-log")] * world)
+        Path(argv[argv.index("--out") + 1]).write_text("[0.05, 0.07, 0.06]")
+        return LaunchResult([0] * world, False, 0.1, [])
+
+    monkeypatch.setattr(plan_check, "launch", launch)
+    argv = ["--world", "2", "--batch", "4", "--chunk-options", "2", "--schedules", "gpipe"]
+    argv += ["--steps", "3", "--warmup", "0", "--repeat", "1", "--f-ms", "0.1"]
+    assert plan_check.main(argv) == 0
+    assert len(calls) == 2
+    assert all(call[call.index("--warmup") + 1] == "0" for call in calls)
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| gpipe")]
+    assert "| 60.0 |" in rows[0]
+    assert "FAILED: rank 0 exited with 1" in rows[1]
