@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from .launch import launch
+from .options import count, seconds
 from .sections import load, provenance, write_section
 
 __all__ = ["main", "table"]
@@ -65,15 +66,27 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--steps", type=int, default=200, help="training steps per run")
+    parser.add_argument("--steps", type=count, default=200, help="training steps per run")
     parser.add_argument("--lrs", default="3e-3,1e-3", help="peak learning rates")
-    parser.add_argument("--processes", type=int, default=4, help="pipeline stages")
+    parser.add_argument("--processes", type=count, default=4, help="pipeline stages")
     parser.add_argument(
         "--small", action="store_true", help="a tiny model (dim 32, depth 2): a smoke run"
     )
     parser.add_argument("--markdown", type=Path, default=None, help="page to write the table in")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    args.lr_list = [lr.strip() for lr in args.lrs.split(",") if lr.strip()]
+    bad = []
+    for lr in args.lr_list:
+        try:
+            seconds(lr)  # a finite number above 0, as a learning rate must be
+        except argparse.ArgumentTypeError:
+            bad.append(lr)
+    if bad or not args.lr_list:
+        parser.error(
+            f"argument --lrs: must be numbers above 0, separated by commas, e.g. 3e-3,1e-3 "
+            f"(got {args.lrs!r})"
+        )
     args.model = (
         ["--dim", "32", "--depth", "2", "--batch-size", "16", "--seq-len", "16"]
         if args.small
@@ -82,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     started, load_before = time.monotonic(), load()
     curves: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="asyncpipe-convergence-") as tmp:
-        for lr in [lr for lr in args.lrs.split(",") if lr]:
+        for lr in args.lr_list:
             for schedule in SCHEDULES:
                 print(f"training with {schedule}, lr {lr} ...", file=sys.stderr)
                 try:

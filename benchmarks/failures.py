@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from .launch import launch
+from .options import count, seconds
 from .sections import load, provenance, write_section
 
 __all__ = ["MODES", "main"]
@@ -103,15 +104,15 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--modes", default=",".join(MODES), help="ways of failing to run")
-    parser.add_argument("--runs", type=int, default=3, help="runs of each way")
-    parser.add_argument("--timeout", type=float, default=3.0, help="AsyncPipe(timeout=...) (s)")
+    parser.add_argument("--runs", type=count, default=3, help="runs of each way")
+    parser.add_argument("--timeout", type=seconds, default=3.0, help="AsyncPipe(timeout=...) (s)")
     parser.add_argument("--markdown", type=Path, default=None, help="page to write the table in")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
     unknown = [m for m in modes if m not in MODES]
-    if unknown or args.runs < 1:
-        parser.error(f"--modes: choose from {', '.join(MODES)}; --runs: at least 1")
+    if unknown or not modes:
+        parser.error(f"--modes: choose from {', '.join(MODES)} (got {args.modes!r})")
     started, load_before = time.monotonic(), load()
     times: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="asyncpipe-failures-") as tmp:

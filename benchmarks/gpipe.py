@@ -23,6 +23,7 @@ from .gpipe_report import (
     target_line,
 )
 from .launch import LaunchResult, launch, read_records
+from .options import count, count_list, milliseconds, seconds, steps
 from .sections import load, machine, revision, write_section
 from .worker import SYSTEMS
 from .workload import nominal_ideal_s
@@ -186,8 +187,10 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         description=__doc__,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--f-ms", type=float, default=5.0, help="forward sleep per layer (ms)")
-    parser.add_argument("--micro-batch", type=int, default=4, help="samples per micro-batch")
+    parser.add_argument(
+        "--f-ms", type=milliseconds, default=5.0, help="forward sleep per layer (ms)"
+    )
+    parser.add_argument("--micro-batch", type=count, default=4, help="samples per micro-batch")
     parser.add_argument(
         "--shape",
         choices=("small", "large"),
@@ -195,15 +198,15 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         help="activations (mb, 1024) or the transfer-heavy (mb, 256, 1024)",
     )
     parser.add_argument("--chunks", default="4,8,16", help="micro-batch counts to run")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per row")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per row")
+    parser.add_argument("--steps", type=count, default=10, help="timed steps per row")
+    parser.add_argument("--warmup", type=steps, default=2, help="untimed steps per row")
     parser.add_argument("--balance", default="2,2,2,2", help="layers per stage (one rank each)")
     parser.add_argument(
         "--systems", default=",".join(SYSTEMS), help=f"subset of {','.join(SYSTEMS)}"
     )
     parser.add_argument(
         "--timeout",
-        type=float,
+        type=seconds,
         default=None,
         help="seconds before one system's workers are killed "
         "(default: 90 + 3x the ideal time of all its steps)",
@@ -217,7 +220,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument(
         "--rounds",
-        type=int,
+        type=count,
         default=1,
         help="run every system this many times, interleaved; report each row's median round",
     )
@@ -234,13 +237,10 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     if unknown:
         parser.error(f"unknown systems {unknown}; choose from {list(SYSTEMS)}")
     args.system_list = systems
-    if args.rounds < 1 or args.steps < 1 or args.warmup < 0:
-        parser.error("--rounds and --steps must be >= 1, --warmup >= 0")
-    try:
-        args.chunk_list = [int(c) for c in args.chunks.split(",") if c]
-        balance = [int(b) for b in args.balance.split(",")]
-    except ValueError as exc:
-        parser.error(str(exc))
+    args.chunk_list = count_list(parser, "--chunks", args.chunks)
+    balance = count_list(parser, "--balance", args.balance)
+    args.chunks = ",".join(map(str, args.chunk_list))  # as the workers and the report read them
+    args.balance = ",".join(map(str, balance))
     if len(set(balance)) != 1:
         parser.error("the ideal-time formulas assume equal stages: use a uniform --balance")
     return args

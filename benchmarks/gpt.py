@@ -25,6 +25,7 @@ from torch import nn
 
 from .gpu import SHARED_GPU_PEERS, Placement, placement, synchronize
 from .launch import REPO_ROOT, launch_workers
+from .options import count, seconds, steps
 from .worker import write_record
 from .workload import stage_module
 
@@ -258,15 +259,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="a small model, 3 steps")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="subset to run")
-    parser.add_argument("--stages", type=int, default=4, help="pipeline processes")
-    parser.add_argument("--chunks", type=int, default=8, help="micro-batches per step")
+    parser.add_argument("--stages", type=count, default=4, help="pipeline processes")
+    parser.add_argument("--chunks", type=count, default=8, help="micro-batches per step")
     parser.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b")
     parser.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps")
+    parser.add_argument("--warmup", type=steps, default=2, help="untimed steps")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=600.0, help="per system, seconds")
+    parser.add_argument("--timeout", type=seconds, default=600.0, help="per system, seconds")
     for name in ("dim", "depth", "heads", "seq_len", "batch", "steps"):
-        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
+        parser.add_argument(f"--{name.replace('_', '-')}", type=count, default=None)
     args = parser.parse_args(argv)
     size = SIZES["quick" if args.quick else "full"]
     for name, value in size.items():

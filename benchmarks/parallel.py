@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .launch import launch_workers
+from .options import count, milliseconds
 from .sections import provenance, write_section
 from .worker import _loss, timed_steps, write_record
 from .workload import SHAPES, build_model, make_batch
@@ -116,9 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default="", help=argparse.SUPPRESS)
-    parser.add_argument("--f-ms", type=float, default=3.0, help="forward sleep per layer (ms)")
+    parser.add_argument(
+        "--f-ms", type=milliseconds, default=3.0, help="forward sleep per layer (ms)"
+    )
     parser.add_argument("--shape", choices=("small", "large"), default="large")
-    parser.add_argument("--steps", type=int, default=8, help="timed steps per layout")
+    parser.add_argument("--steps", type=count, default=8, help="timed steps per layout")
     parser.add_argument(
         "--markdown", type=Path, default=None, help="page to write the table in (its section)"
     )

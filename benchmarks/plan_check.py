@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from .launch import launch
+from .options import count, count_list, milliseconds, steps
 from .sections import provenance, write_section
 from .workload import SHAPES, build_model
 
@@ -150,7 +151,11 @@ def _chosen(ranking: Any) -> list[Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.plan_check",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--ping", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(
@@ -158,11 +163,15 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="time a message between two processes first and predict with that link cost",
     )
-    parser.add_argument("--f-ms", type=float, default=3.0)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--world", type=int, default=4)
+    parser.add_argument(
+        "--f-ms", type=milliseconds, default=3.0, help="forward sleep per layer (ms)"
+    )
+    parser.add_argument("--batch", type=count, default=32, help="rows of a mini-batch")
+    parser.add_argument("--world", type=count, default=4, help="processes plan may use")
     parser.add_argument("--shape", choices=tuple(SHAPES), default="small")
-    parser.add_argument("--chunks", type=int, default=8)
+    parser.add_argument(
+        "--chunks", type=count, default=8, help="micro-batches of the --measure-link message"
+    )
     parser.add_argument(
         "--chunk-options", default="", help="chunk counts plan may choose (default: all)"
     )
@@ -171,9 +180,9 @@ def main(argv: list[str] | None = None) -> int:
         "--schedules", default="gpipe,1f1b,zero_bubble", help="schedules plan may choose"
     )
     parser.add_argument("--balance", default="2,2,2,2")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--repeat", type=int, default=5, help="timed runs per layer profile")
+    parser.add_argument("--warmup", type=steps, default=2, help="untimed steps per run")
+    parser.add_argument("--steps", type=count, default=8, help="timed steps per run")
+    parser.add_argument("--repeat", type=count, default=5, help="timed runs per layer profile")
     parser.add_argument(
         "--fresh",
         action="store_true",
@@ -199,7 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     logs = Path(args.logs or tempfile.mkdtemp(prefix="plan-check-"))
     link = _link(args, logs) if args.measure_link else balance.Link()
     print(f"link: {link}")
-    options = [int(c) for c in args.chunk_options.split(",")] if args.chunk_options else None
+    options = (
+        count_list(parser, "--chunk-options", args.chunk_options) if args.chunk_options else None
+    )
     ranking = balance.plan(
         profile,
         args.world,

@@ -15,6 +15,7 @@ from typing import Any
 
 from .calibration import LayerCosts, calibrate_layer
 from .launch import LaunchResult, launch, read_records
+from .options import count, count_list, milliseconds, seconds, steps
 from .schedule_report import markdown_section, target_lines, text_report, write_timelines
 from .schedule_results import (
     MATCH,
@@ -232,13 +233,15 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         description=__doc__,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--f-ms", type=float, default=5.0, help="forward sleep per layer (ms)")
-    parser.add_argument("--micro-batch", type=int, default=4, help="samples per micro-batch")
+    parser.add_argument(
+        "--f-ms", type=milliseconds, default=5.0, help="forward sleep per layer (ms)"
+    )
+    parser.add_argument("--micro-batch", type=count, default=4, help="samples per micro-batch")
     parser.add_argument("--shape", choices=("small", "large"), default="small")
     parser.add_argument("--chunks", default="4,8,16", help="micro-batch counts to run")
-    parser.add_argument("--ranks", type=int, default=4, help="processes in the pipeline")
-    parser.add_argument("--layers", type=int, default=8, help="layers of the model")
-    parser.add_argument("--virtual-stages", type=int, default=2, help="chunks per rank (V)")
+    parser.add_argument("--ranks", type=count, default=4, help="processes in the pipeline")
+    parser.add_argument("--layers", type=count, default=8, help="layers of the model")
+    parser.add_argument("--virtual-stages", type=count, default=2, help="chunks per rank (V)")
     parser.add_argument(
         "--schedules",
         default=",".join(ASYNCPIPE.values()),
@@ -255,26 +258,26 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         default=",".join(MATCH),
         help=f"torch.distributed.pipelining peers ({','.join(PEERS)}; 'none' for none)",
     )
-    parser.add_argument("--steps", type=int, default=8, help="timed steps per entry")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per entry")
-    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds")
+    parser.add_argument("--steps", type=count, default=8, help="timed steps per entry")
+    parser.add_argument("--warmup", type=steps, default=2, help="untimed steps per entry")
+    parser.add_argument("--rounds", type=count, default=2, help="interleaved rounds")
     parser.add_argument(
         "--memory",
         default="gpipe,1f1b",
         help="asyncpipe schedules to run alone for peak memory ('none' to skip)",
     )
     parser.add_argument("--memory-shape", choices=("small", "large"), default="large")
-    parser.add_argument("--memory-chunks", type=int, default=8)
-    parser.add_argument("--memory-steps", type=int, default=3, help="timed steps per memory run")
+    parser.add_argument("--memory-chunks", type=count, default=8)
+    parser.add_argument("--memory-steps", type=count, default=3, help="timed steps per memory run")
     parser.add_argument("--no-timing", action="store_true", help="only the memory runs")
     parser.add_argument(
         "--timeout",
-        type=float,
+        type=seconds,
         default=None,
         help="seconds before the timing group is killed (default: 120 + 3x the ideal time "
         "of all its steps)",
     )
-    parser.add_argument("--pg-timeout", type=float, default=60.0, help="per wait, in workers")
+    parser.add_argument("--pg-timeout", type=seconds, default=60.0, help="per wait, in workers")
     parser.add_argument("--json", type=Path, default=None, help="write all numbers here")
     parser.add_argument("--markdown", type=Path, default=None, help="write/replace the results")
     parser.add_argument(
@@ -283,7 +286,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         default=None,
         help="write SVG timelines of the simulated plans (4 ranks, --timeline-chunks) here",
     )
-    parser.add_argument("--timeline-chunks", type=int, default=8)
+    parser.add_argument("--timeline-chunks", type=count, default=8)
     parser.add_argument("--keep-logs", type=Path, default=None, help="keep worker files here")
     args = parser.parse_args(argv)
     names = {v: k for k, v in ASYNCPIPE.items()}
@@ -302,14 +305,14 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     args.memory_list = [names[s] for s in memory]
     if any(s not in SYSTEMS for s in args.system_list):
         parser.error("internal: unknown system")
-    try:
-        args.chunk_list = [int(c) for c in _split(args.chunks)]
-    except ValueError as exc:
-        parser.error(str(exc))
-    if args.rounds < 1 or args.steps < 1 or args.warmup < 0:
-        parser.error("--rounds and --steps must be >= 1, --warmup >= 0")
-    if args.layers % (args.ranks * args.virtual_stages) != 0:
-        parser.error("--layers must be a multiple of --ranks times --virtual-stages")
+    args.chunk_list = count_list(parser, "--chunks", args.chunks)
+    per_round = args.ranks * args.virtual_stages
+    if args.layers % per_round != 0:
+        parser.error(
+            f"--layers must be a multiple of --ranks times --virtual-stages (layers "
+            f"{args.layers}, ranks {args.ranks} x virtual stages {args.virtual_stages}); pass "
+            f"--layers {per_round * max(1, args.layers // per_round)}"
+        )
     return args
 
 

@@ -19,6 +19,7 @@ from . import suite_runs as runs
 from .calibration import calibrate_layer
 from .gpu import SHARED_GPU_NOTE, placement
 from .launch import REPO_ROOT
+from .options import count, count_list, milliseconds, steps
 from .peers import fairscale_version
 from .schedule_report import MEMORY_HEADER, memory_cells
 from .schedule_results import MemoryRow
@@ -61,11 +62,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--stages", default=None, help="pipeline ranks (default 2,4)")
     parser.add_argument("--chunks", default=None, help="micro-batches (default 4,8,16)")
-    parser.add_argument("--f-ms", type=float, default=5.0, help="forward sleep per layer, ms (5)")
-    parser.add_argument("--micro-batch", type=int, default=4, help="rows per micro-batch (4)")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 6)")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed steps (default 2)")
-    parser.add_argument("--messages", type=int, default=None, help="bandwidth messages (300)")
+    parser.add_argument(
+        "--f-ms", type=milliseconds, default=5.0, help="forward sleep per layer, ms (5)"
+    )
+    parser.add_argument("--micro-batch", type=count, default=4, help="rows per micro-batch (4)")
+    parser.add_argument("--steps", type=count, default=None, help="timed steps (default 6)")
+    parser.add_argument("--warmup", type=steps, default=None, help="untimed steps (default 2)")
+    parser.add_argument("--messages", type=count, default=None, help="bandwidth messages (300)")
     parser.add_argument(
         "--markdown",
         type=Path,
@@ -91,14 +94,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch.cuda.is_available() is False on this machine")
     quick = args.quick
-    args.stage_list = [int(s) for s in (args.stages or ("4" if quick else "2,4")).split(",")]
-    args.chunk_list = [int(c) for c in (args.chunks or ("8" if quick else "4,8,16")).split(",")]
+    args.stage_list = count_list(parser, "--stages", args.stages or ("4" if quick else "2,4"))
+    args.chunk_list = count_list(parser, "--chunks", args.chunks or ("8" if quick else "4,8,16"))
     args.steps = args.steps or (3 if quick else 6)
     args.warmup = args.warmup if args.warmup is not None else (1 if quick else 2)
     args.messages = args.messages or (60 if quick else 300)
     args.layers = 8
     if any(8 % (2 * s) for s in args.stage_list):
-        parser.error("--stages: each must divide 4 (8 layers, interleaved with 2 per rank)")
+        parser.error(
+            f"--stages: each must divide 4 (8 layers, interleaved with 2 per rank; got "
+            f"{args.stages!r}); pass some of 1,2,4"
+        )
     if args.markdown is not None:
         default_plot = args.markdown.parent / "_static" / f"benchmark_suite_{args.device}.png"
         args.plot = args.plot or default_plot

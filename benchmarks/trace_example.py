@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from .launch import REPO_ROOT, launch
+from .options import count
 from .sections import load, provenance, write_section
 
 __all__ = ["main"]
@@ -54,8 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--steps", type=int, default=40, help="training steps")
-    parser.add_argument("--processes", type=int, default=4, help="pipeline stages")
+    parser.add_argument("--steps", type=count, default=40, help="training steps")
+    parser.add_argument("--processes", type=count, default=4, help="pipeline stages")
     parser.add_argument(
         "--small", action="store_true", help="a tiny model (dim 32, depth 2): a smoke run"
     )

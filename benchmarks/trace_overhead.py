@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from .launch import launch
+from .options import count, milliseconds
 from .sections import load, provenance, write_section
 from .workload import build_model, make_batch
 
@@ -147,12 +148,18 @@ def report(record: dict[str, Any], args: argparse.Namespace) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--f-ms", type=float, default=3.0, help="forward sleep per layer (ms)")
-    parser.add_argument("--chunks", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=20, help="steps per block")
-    parser.add_argument("--rounds", type=int, default=10, help="plain/traced block pairs")
-    parser.add_argument("--every", type=int, default=50, help="trace_every (timeline images)")
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.trace_overhead",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--f-ms", type=milliseconds, default=3.0, help="forward sleep per layer (ms)"
+    )
+    parser.add_argument("--chunks", type=count, default=8, help="micro-batches per step")
+    parser.add_argument("--steps", type=count, default=20, help="steps per block")
+    parser.add_argument("--rounds", type=count, default=10, help="plain/traced block pairs")
+    parser.add_argument("--every", type=count, default=50, help="trace_every (timeline images)")
     parser.add_argument("--markdown", type=Path, default=None, help="page to write the table in")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--trace-dir", default="", help=argparse.SUPPRESS)

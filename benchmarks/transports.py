@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from .gpu import placement, synchronize
 from .launch import launch_workers
+from .options import count, milliseconds, steps
 from .sections import provenance, write_section
 from .transport_steps import merge_rounds, step_rows, step_times
 from .worker import write_record
@@ -52,6 +53,10 @@ __all__ = ["bandwidth_table", "main"]
 
 # ----- worker side -----------------------------------------------------------------------------
 
+
+LAYERS = 8
+"""The layers of the reference workload (``build_model``'s default), split evenly over
+``--processes`` for the step times."""
 
 SLOTS = 8
 """Messages reuse SLOTS micro-batch slots, as a pipeline's steps do."""
@@ -433,7 +438,7 @@ def _table(records: list[dict[str, Any]], args: argparse.Namespace) -> str:
         return "\n".join(lines)
     steps = records[0]["steps"]
     world = args.processes
-    ideal = nominal_ideal_s(world, args.chunks, 8 // world, args.f_ms)
+    ideal = nominal_ideal_s(world, args.chunks, LAYERS // world, args.f_ms)
     lines += [
         "",
         f"Reference workload, {world} processes, chunks {args.chunks}, F = {args.f_ms} ms, no "
@@ -456,28 +461,30 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default="", help=argparse.SUPPRESS)
-    parser.add_argument("--processes", type=int, default=4, help="processes for the step time")
-    parser.add_argument("--micro-batch", type=int, default=8, help="rows of a message")
-    parser.add_argument("--messages", type=int, default=400, help="messages of the small shape")
+    parser.add_argument("--processes", type=count, default=4, help="processes for the step time")
+    parser.add_argument("--micro-batch", type=count, default=8, help="rows of a message")
+    parser.add_argument("--messages", type=count, default=400, help="messages of the small shape")
     parser.add_argument(
-        "--trials", type=int, default=9, help="timed bursts per method and shape (best reported)"
+        "--trials", type=count, default=9, help="timed bursts per method and shape (best reported)"
     )
     parser.add_argument(
-        "--trips", type=int, default=200, help="round trips of the small shape per trial"
+        "--trips", type=count, default=200, help="round trips of the small shape per trial"
     )
     parser.add_argument(
         "--idle-hops",
-        type=int,
+        type=steps,
         default=30,
         help="messages per trial of the hop to a receiver that waited (0: none)",
     )
-    parser.add_argument("--f-ms", type=float, default=5.0, help="forward sleep per layer (ms)")
-    parser.add_argument("--chunks", type=int, default=8, help="micro-batches per step")
     parser.add_argument(
-        "--steps", type=int, default=4, help="timed steps per system and round (step time)"
+        "--f-ms", type=milliseconds, default=5.0, help="forward sleep per layer (ms)"
+    )
+    parser.add_argument("--chunks", type=count, default=8, help="micro-batches per step")
+    parser.add_argument(
+        "--steps", type=count, default=4, help="timed steps per system and round (step time)"
     )
     parser.add_argument(
-        "--rounds", type=int, default=3, help="rounds of the step times, each in new processes"
+        "--rounds", type=count, default=3, help="rounds of the step times, each in new processes"
     )
     parser.add_argument("--steps-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(
@@ -486,6 +493,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bandwidth-only", action="store_true", help="no step times")
     parser.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu")
     args = parser.parse_args(argv)
+    if args.processes < 2 or (not args.bandwidth_only and LAYERS % args.processes):
+        parser.error(
+            f"--processes must be at least 2 (the bandwidth runs between two) and, for the step "
+            f"times, divide the reference workload's {LAYERS} layers (got {args.processes}); "
+            f"pass 2, 4 or 8, or --bandwidth-only"
+        )
     if args.worker:
         return worker(args)
     argv = list(sys.argv[1:] if argv is None else argv)

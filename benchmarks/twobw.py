@@ -27,14 +27,25 @@ import torch.distributed as dist
 
 from .calibration import StageCosts, calibrate
 from .launch import launch_workers
+from .options import count, milliseconds, seconds, steps
 from .sections import provenance, write_section
 from .workload import BUSY, build_model, make_batch
 
 __all__ = ["main"]
 
+LAYERS = 8
+"""The reference workload's layers; each of ``--ranks`` ranks takes ``LAYERS // ranks``."""
+
 SCHEDULES = ("1f1b", "2bw", "2bw-lookahead2", "1f1b@shm", "2bw-lookahead2@shm")
 """What a run measures: ``"2bw-lookahead2"`` is ``schedule="2bw", lookahead=2``; ``@shm``
 runs it over the shared-memory transport instead of p2p."""
+
+
+FLUSHING = ("gpipe", "1f1b", "zero_bubble")
+"""The flushing schedules a row may name beside 2BW's."""
+
+TRANSPORTS = ("p2p", "shm", "rpc")
+"""What may follow ``@`` in a row's name (``p2p`` without one)."""
 
 
 def _schedule(name: str) -> tuple[str, int, str]:
@@ -42,6 +53,38 @@ def _schedule(name: str) -> tuple[str, int, str]:
     name, _, transport = name.partition("@")
     base, _, lookahead = name.partition("-lookahead")
     return base, int(lookahead or 1), transport or "p2p"
+
+
+def _check(args: argparse.Namespace) -> list[str]:
+    """What is wrong with the command line's schedules and sizes (nothing: an empty list)."""
+    problems = []
+    if args.ranks > LAYERS:
+        problems.append(
+            f"--ranks must be at most {LAYERS}, the reference workload's layers (got {args.ranks})"
+        )
+    names = [s for s in args.schedules.split(",") if s]
+    if not names:
+        problems.append("--schedules names nothing to run; pass e.g. 1f1b,2bw")
+    for name in names:
+        try:
+            base, lookahead, transport = _schedule(name)
+        except ValueError:
+            base, lookahead, transport = "", 1, "p2p"
+        if base not in FLUSHING + ("2bw",) or transport not in TRANSPORTS or lookahead < 1:
+            problems.append(
+                f"--schedules: unknown entry {name!r}; each is {', '.join(FLUSHING)}, 2bw or "
+                f"2bw-lookahead<K> (K at least 1), with @shm or @rpc for another transport "
+                f"than p2p"
+            )
+        elif lookahead > 1 and base != "2bw":
+            problems.append(f"--schedules: {name!r}: only 2bw takes a lookahead")
+        elif base == "2bw" and args.chunks < lookahead * (args.ranks - 1):
+            problems.append(
+                f"--schedules: {name!r} needs chunks >= lookahead * (ranks - 1) (chunks "
+                f"{args.chunks}, lookahead {lookahead}, ranks {args.ranks}); pass --chunks "
+                f"{lookahead * (args.ranks - 1)} or more"
+            )
+    return problems
 
 
 def _loss(output: object, target: object) -> torch.Tensor:
@@ -132,24 +175,38 @@ def _calibration_text(calibrations: list[StageCosts]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.twobw",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
-    parser.add_argument("--f-ms", type=float, default=3.0)
-    parser.add_argument("--chunks", type=int, default=8)
-    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument(
+        "--f-ms", type=milliseconds, default=3.0, help="forward sleep per layer (ms)"
+    )
+    parser.add_argument("--chunks", type=count, default=8, help="micro-batches per step")
+    parser.add_argument("--micro-batch", type=count, default=4, help="rows per micro-batch")
     parser.add_argument("--shape", choices=("small", "large"), default="small")
-    parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--schedules", default=",".join(SCHEDULES))
-    parser.add_argument("--pg-timeout", type=float, default=120.0)
-    parser.add_argument("--runs", type=int, default=1, help="runs, each in new processes")
+    parser.add_argument("--ranks", type=count, default=4, help="processes, 8 // ranks layers each")
+    parser.add_argument("--warmup", type=steps, default=3, help="untimed steps per schedule")
+    parser.add_argument("--steps", type=count, default=20, help="timed steps per schedule")
+    parser.add_argument(
+        "--schedules",
+        default=",".join(SCHEDULES),
+        help="what to run: gpipe, 1f1b, zero_bubble, 2bw or 2bw-lookahead<K>, each with @shm "
+        "or @rpc for another transport than p2p",
+    )
+    parser.add_argument("--pg-timeout", type=seconds, default=120.0, help="per wait, in workers")
+    parser.add_argument("--runs", type=count, default=1, help="runs, each in new processes")
     parser.add_argument("--markdown", type=Path, default=None, help="page to write the table in")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
-    if args.worker:
+    if args.worker:  # started by a driver that checked (the suite's too): ranks = world size
         return worker(args)
+    problems = _check(args)
+    if problems:
+        parser.error("; ".join(problems))
     started = time.monotonic()
     worker_argv = [
         f"--f-ms={args.f_ms}",
@@ -162,14 +219,18 @@ def main(argv: list[str] | None = None) -> int:
         f"--pg-timeout={args.pg_timeout}",
     ]
     schedules = args.schedules.split(",")
-    layers = 8 // args.ranks
+    layers = LAYERS // args.ranks
     limit = args.chunks * 3 * args.f_ms / 1000.0 * layers
     print("calibrating one stage ...", file=sys.stderr)
     calibrations = [calibrate(args.f_ms, args.micro_batch, args.shape, layers)]
     runs = []
     for n in range(args.runs):
         print(f"run {n + 1}/{args.runs}: {', '.join(schedules)}", file=sys.stderr)
-        records = launch_workers("benchmarks.twobw", worker_argv, args.ranks, args.ranks)
+        try:
+            records = launch_workers("benchmarks.twobw", worker_argv, args.ranks, args.ranks)
+        except RuntimeError as exc:
+            print(exc, file=sys.stderr)
+            return 1
         runs.append(_rows(records, schedules))
     print("calibrating again ...", file=sys.stderr)
     calibrations.append(calibrate(args.f_ms, args.micro_batch, args.shape, layers))

@@ -215,3 +215,54 @@ def test_plan_check_runs_the_warmup_it_was_given_and_reports_a_failed_job_in_its
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| gpipe")]
     assert "| 60.0 |" in rows[0]
     assert "FAILED: rank 0 exited with 1" in rows[1]
+
+
+REFUSED = [
+    ("benchmarks.gpipe", ["--chunks", "0"]),
+    ("benchmarks.gpipe", ["--chunks", ","]),
+    ("benchmarks.gpipe", ["--balance", "0,0"]),
+    ("benchmarks.gpipe", ["--micro-batch", "0"]),
+    ("benchmarks.gpipe", ["--timeout", "0"]),
+    ("benchmarks.gpipe", ["--f-ms", "-1"]),
+    ("benchmarks.schedules", ["--virtual-stages", "0"]),
+    ("benchmarks.schedules", ["--ranks", "0"]),
+    ("benchmarks.schedules", ["--chunks", "-4"]),
+    ("benchmarks.schedules", ["--memory-chunks", "0"]),
+    ("benchmarks.schedules", ["--timeline-chunks", "0"]),
+    ("benchmarks.schedules", ["--layers", "6"]),
+    ("benchmarks.transports", ["--processes", "1"]),
+    ("benchmarks.transports", ["--processes", "3"]),
+    ("benchmarks.transports", ["--steps", "0"]),
+    ("benchmarks.transports", ["--messages", "0", "--bandwidth-only"]),
+    ("benchmarks.transports", ["--trials", "0"]),
+    ("benchmarks.twobw", ["--schedules", "1f1b,nope"]),
+    ("benchmarks.twobw", ["--chunks", "4"]),  # 2bw-lookahead2 on 4 ranks needs 6
+    ("benchmarks.twobw", ["--ranks", "9"]),
+    ("benchmarks.parallel", ["--steps", "0"]),
+    ("benchmarks.trace_overhead", ["--every", "0"]),
+    ("benchmarks.trace_overhead", ["--steps", "0"]),
+    ("benchmarks.failures", ["--modes", ","]),
+    ("benchmarks.failures", ["--timeout", "-1"]),
+    ("benchmarks.convergence", ["--lrs", "fast"]),
+    ("benchmarks.trace_example", ["--processes", "0"]),
+    ("benchmarks.plan_check", ["--chunk-options", "2,x"]),
+    ("benchmarks.plan_check", ["--batch", "0"]),
+    ("benchmarks.suite", ["--stages", "0"]),
+    ("benchmarks.suite", ["--steps", "0"]),
+    ("benchmarks.gpt", ["--chunks", "0"]),
+]
+
+
+@pytest.mark.parametrize(
+    ("module", "argv"), REFUSED, ids=lambda v: v if isinstance(v, str) else " ".join(v)
+)
+def test_nonsense_numbers_are_refused_when_the_command_line_is_read(
+    module: str, argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each of these ran for a while and failed with a traceback (a segfault for one process),
+    or quietly ran something else (``--timeout 0`` meant the default)."""
+    with pytest.raises(SystemExit) as exit_:
+        importlib.import_module(module).main(argv)
+    assert exit_.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith(f"python -m {module}: error: ") and argv[0] in error, error
