@@ -383,6 +383,38 @@ def packed_reuse(rank: int, world: int) -> Any:
     return {"spares": spares, "got": got}
 
 
+def varying_shapes(rank: int, world: int) -> Any:
+    """1,100 packed messages of as many shapes (a model whose shapes vary from step to step)
+    from rank 0 to rank 1, with the spare buffers capped at 4 MiB: rank 1 gets each as sent,
+    rank 0's spare buffers stay under the cap and its layouts under ``KINDS``."""
+    from asyncpipe.transport import Message, p2p
+    from asyncpipe.transport.frame import PACK_LIMIT
+
+    p2p._SPARE_BYTES = 2**22
+    transport = P2PTransport()
+    spare, layouts, got = [], [], []
+    large = torch.zeros(PACK_LIMIT // 4 - 64)  # the slot's first message: later ones fit packed
+    shapes = [(1, 32768 + 16 * k) for k in range(1100)]  # 128 to 197 KiB
+    if rank == 0:
+        transport.send(1, 5, Message(0, 1, (large,)))
+        for k, shape in enumerate(shapes):
+            transport.send(1, 5, Message(0, 1, (torch.full(shape, float(k)),)))
+            if k % 10 == 9:
+                transport.flush(30)
+                sizes = sum(b.numel() for v in transport._spare.values() for b in v)
+                spare.append((sizes, transport._spare_bytes))
+                layouts.append(len(transport._layouts))
+        transport.flush(30)
+    else:
+        transport.recv(0, 5, 0).wait(30)
+        for k, shape in enumerate(shapes):
+            tensor = transport.recv(0, 5, 0).wait(30).tensors[0]
+            assert tensor is not None
+            if tuple(tensor.shape) != shape or bool((tensor != k).any()):
+                got.append(k)
+    return {"spare": spare, "layouts": layouts, "wrong": got}
+
+
 def expected_headers(rank: int, world: int) -> Any:
     """Messages of one channel, one per slot, over three rounds: the first teaches each slot
     its size, the second comes packed (the receiver learns the channel's header), and in the

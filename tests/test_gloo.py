@@ -20,6 +20,7 @@ from gloo_workers import (
     scalar_boundary,
     settle,
     transparency,
+    varying_shapes,
 )
 from spawn import run_ranks
 
@@ -81,6 +82,16 @@ def test_packed_buffers_are_reused_once_their_sends_completed() -> None:
     # flush frees 8 buffers, which the third round's 8 packed messages take again
     assert after_flush == [0, 8, 8]
     assert before_flush == [0, 0, 0]
+
+
+def test_shapes_that_vary_keep_the_p2p_buffers_and_layouts_bounded() -> None:
+    """Spare packed buffers were kept per size (up to 32 each) and layouts per kind of message,
+    without bound: a model whose shapes vary kept a buffer of every size it ever sent."""
+    sender, receiver = run_ranks(varying_shapes, 2, timeout=120)
+    assert receiver["wrong"] == []
+    assert all(counted == kept <= 2**22 for counted, kept in sender["spare"]), sender["spare"]
+    assert max(kept for _, kept in sender["spare"]) > 2**22 - 200 * 1024  # it does keep some
+    assert max(sender["layouts"]) <= 1024 and min(sender["layouts"][100:]) < 1000
 
 
 def test_ordered_mode_sends_each_direction_in_its_own_group() -> None:

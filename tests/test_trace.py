@@ -37,7 +37,6 @@ from asyncpipe.trace import (
     render,
     summarize,
 )
-from asyncpipe.trace.chrome import RUN_GAP
 from asyncpipe.trace.clock import clock_offset
 from asyncpipe.transport import Transport
 
@@ -388,23 +387,6 @@ def test_chrome_trace_of_a_literal_step() -> None:
     assert first["pid"] == 1 and first["ts"] == pytest.approx(101.1e6)
     assert first["dur"] == pytest.approx(0.9e6) and first["cat"] == "compute"
     assert {e["cat"] for e in spans} == {"compute", "comm", "wait"}
-
-
-def test_chrome_trace_lays_a_run_on_an_earlier_clock_after_the_one_before() -> None:
-    from dataclasses import replace
-
-    first = literal_step()  # origin 100 s, ends 4 s later
-    later = [replace(first, step=8, origin=5.0), replace(first, step=9, origin=10.0)]
-    spans = [e for e in chrome_trace([first, *later])["traceEvents"] if e["ph"] == "X"]
-    starts = {s: min(e["ts"] for e in spans if e["args"]["step"] == s) for s in (7, 8, 9)}
-    ends = {s: max(e["ts"] + e["dur"] for e in spans if e["args"]["step"] == s) for s in (7, 8)}
-    assert starts[8] == pytest.approx((104.0 + RUN_GAP) * 1e6)  # 1 s after step 7's end
-    assert starts[9] - starts[8] == pytest.approx(5.0e6)  # the later run keeps its own spacing
-    assert ends[7] <= starts[8] and ends[8] <= starts[9]
-    # steps on one clock stay where they were recorded, even where they touch
-    same = [first, replace(first, step=8, origin=103.5)]
-    spans = [e for e in chrome_trace(same)["traceEvents"] if e["ph"] == "X"]
-    assert min(e["ts"] for e in spans if e["args"]["step"] == 8) == pytest.approx(103.5e6)
 
 
 def test_cli_reports_a_missing_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

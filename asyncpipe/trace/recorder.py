@@ -43,6 +43,13 @@ __all__: list[str] = []
 
 _POLL = 0.25  # seconds between the writer thread's batches
 _SALVAGE = 5.0  # seconds close() gives, after a failure, to payloads of the completed steps
+_LATE = 2.0
+"""Seconds a step may have waited for the writer thread and still get its timeline image (a
+tenth of a second to draw): a writer further behind writes steps without them until it has
+caught up with a pipeline that steps faster than it draws."""
+_BACKLOG = 1024
+"""Steps that may wait for the writer thread; beyond, the training loop waits for it (a
+writer that cannot keep up even without images must not hold ever more steps in memory)."""
 
 
 def peak_memory(device: torch.device) -> int:
@@ -101,7 +108,10 @@ class Recorder:
         self._plans: dict[str, str] = {}  # a step's plan key -> the writer's key for it
         self._inbox: deque[tuple[dict[str, Any], dict[int, PendingRecv]]] = deque()
         self._lag = 1 if transport.early_receives else 0
-        self._queue: queue.Queue[tuple[dict[str, Any], dict[int, bytes]] | None] = queue.Queue()
+        # steps for the writer thread: rank 0's payload, the others', when they were queued
+        self._queue: queue.Queue[tuple[dict[str, Any], dict[int, bytes], float] | None]
+        self._queue = queue.Queue(maxsize=_BACKLOG)
+        self._late = False  # the writer thread has left images out (said once)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -228,7 +238,13 @@ class Recorder:
             if message.error is not None or tensor is None:
                 raise RuntimeError(f"rank {peer} sent no trace of step {own['step']}")
             raw[peer] = tensor.cpu().numpy().tobytes()
-        self._queue.put((own, raw))
+        try:
+            self._queue.put((own, raw, time.monotonic()), timeout=self.timeout)
+        except queue.Full:
+            raise RuntimeError(
+                f"the trace writer ({self.writer.directory}) is {_BACKLOG} steps behind the "
+                f"pipeline and wrote none of them in {self.timeout:.1f} s: is its disk stuck?"
+            ) from None
 
     def _write_loop(self) -> None:
         """Write what arrived, a batch every ``_POLL`` seconds: the training loop never wakes
@@ -246,9 +262,28 @@ class Recorder:
                     break
                 if self._error is None:
                     try:
-                        self.writer.write(assemble(*item))
+                        own, raw, queued = item
+                        picture = self._picture(time.monotonic() - queued)
+                        self.writer.write(assemble(own, raw), picture=picture)
                     except BaseException as e:  # reported by close()
                         self._error = e
+
+    def _picture(self, waited: float) -> bool:
+        """Whether a step that waited ``waited`` seconds for the writer thread may have its
+        timeline image: not after ``_LATE`` seconds (said once, on stderr)."""
+        if waited <= _LATE:
+            return True
+        if not self._late:
+            self._late = True
+            print(
+                f"asyncpipe: the trace writer is {waited:.1f} s behind the pipeline (a timeline "
+                f"image takes about 0.1 s to draw; this run draws one every "
+                f"{self.writer.every} steps): the steps it is late with are written without "
+                f"their images",
+                file=sys.stderr,
+                flush=True,
+            )
+        return False
 
     def close(self, drain: bool = True) -> None:
         """Write what is still due and close the writer; rank 0 also renders the timeline and

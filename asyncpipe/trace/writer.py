@@ -121,8 +121,12 @@ class TraceWriter:
         (self.directory / PLANS).write_text(json.dumps(text, indent=1))
         return stored
 
-    def write(self, step: StepTrace) -> None:
-        """Record one step (called on rank 0, one step behind the pipeline)."""
+    def write(self, step: StepTrace, *, picture: bool = True) -> None:
+        """Record one step (called on rank 0, one step behind the pipeline).
+
+        ``picture=False`` leaves out the timeline image of a step due one: the recorder passes
+        it for steps that waited more than 2 s for the writer, which then catches up (an image
+        takes about a tenth of a second to draw)."""
         if self._events is not None:
             self._events.write(step.to_json() + "\n")
             self._events.flush()
@@ -150,7 +154,7 @@ class TraceWriter:
             ideal = step.ideal(self.plans[step.plan])
             board.add_scalar("pipeline/ideal_bubble_fraction", ideal.total_bubble, n)
             board.add_scalar("pipeline/ideal_step_seconds", ideal.makespan, n)
-            if self.images:
+            if self.images and picture:
                 from tensorboard.compat.proto.summary_pb2 import (  # type: ignore[import-untyped, unused-ignore]
                     Summary,
                 )

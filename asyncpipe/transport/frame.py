@@ -24,6 +24,10 @@ __all__: list[str] = []
 HEADER_SIZE = 256
 HEADER_BYTES = 8 * HEADER_SIZE
 PACK_LIMIT = 256 * 1024
+KINDS = 1024
+"""Layouts a transport keeps, one per kind of message (dtypes, shapes): a pipeline sends a few
+kinds; a model whose shapes vary from step to step sends more, and a table of them starts
+afresh when it holds this many."""
 _ALIGN = 64
 _MAGIC = 0x41505031
 PACKED, ERROR, SEPARATE, EARLY = 0, 1, 2, 3

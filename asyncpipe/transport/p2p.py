@@ -44,6 +44,7 @@ from .frame import (
     EARLY,
     HEADER_BYTES,
     HEADER_SIZE,
+    KINDS,
     PACK_LIMIT,
     SEPARATE,
     encode,
@@ -62,6 +63,11 @@ _CLOSED = re.compile(r"closed|reset by peer|broken pipe|refused", re.IGNORECASE)
 _SPARE_BUFFERS = 32
 """Packed buffers of one size kept for reuse once their sends completed (a fresh buffer's
 pages are touched for the first time by the copy, which costs more than the copy)."""
+
+_SPARE_BYTES = 64 * 2**20
+"""Bytes of spare packed buffers kept in all. A pipeline of fixed shapes reuses buffers of a
+few sizes; one whose shapes vary from step to step (sequences of any length) would otherwise
+keep buffers of every size it ever sent."""
 
 
 def _down_group(group: dist.ProcessGroup | None, ranks: list[int]) -> dist.ProcessGroup:
@@ -159,6 +165,7 @@ class P2PTransport(GroupTransport):
         self._layouts: dict[tuple[object, ...], _Layout] = {}
         # packed buffers whose sends have completed, by size, for the next packed sends
         self._spare: dict[int, list[Tensor]] = {}
+        self._spare_bytes = 0
         # the packed buffers of pending sends, by id (held, so that no id is reused)
         self._packed: dict[int, Tensor] = {}
         # sends not yet known to be taken, by (peer, channel, slot); buffers live until then
@@ -250,6 +257,8 @@ class P2PTransport(GroupTransport):
         kind = kinds(payload)
         known = self._layouts.get(kind)
         if known is None:
+            if len(self._layouts) >= KINDS:  # shapes that vary: start afresh
+                self._layouts.clear()
             known = self._layouts[kind] = _Layout.of(message, payload)
         fields = list(known.fields)
         fields[3], fields[4] = message.microbatch, message.microbatches
@@ -259,6 +268,8 @@ class P2PTransport(GroupTransport):
         """A packed message in a spare buffer of its size where one is free."""
         spare = self._spare.get(fields[5])
         buffer = spare.pop() if spare else None
+        if buffer is not None:
+            self._spare_bytes -= buffer.numel()
         buffer = pack(fields, layout.offsets, payload, buffer, layout.sizes)
         self._packed[id(buffer)] = buffer
         return buffer
@@ -357,6 +368,8 @@ class P2PTransport(GroupTransport):
                 ) from e
             if self._packed.get(id(tensor)) is tensor:  # sent: the buffer can carry another
                 del self._packed[id(tensor)]
-                spare = self._spare.setdefault(tensor.numel(), [])
-                if len(spare) < _SPARE_BUFFERS:
+                size = tensor.numel()
+                spare = self._spare.setdefault(size, [])
+                if len(spare) < _SPARE_BUFFERS and self._spare_bytes + size <= _SPARE_BYTES:
                     spare.append(tensor)
+                    self._spare_bytes += size

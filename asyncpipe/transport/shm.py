@@ -40,6 +40,7 @@ from .base import GroupTransport, Message, PeerLost, PendingRecv, TransportTimeo
 from .frame import (
     ERROR,
     HEADER_SIZE,
+    KINDS,
     MICROBATCHES,
     decode_header,
     encode,
@@ -307,6 +308,8 @@ class ShmTransport(GroupTransport):
         kind = (channel, *kinds(message.tensors))
         frame = self._frames.get(kind)
         if frame is None:
+            if len(self._frames) >= KINDS:  # shapes that vary: start afresh
+                self._frames.clear()
             frame = self._frames[kind] = _Frame.of(channel, message)
         return frame
 
