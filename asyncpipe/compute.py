@@ -54,6 +54,9 @@ class Compute:
     routes: SkipRoutes
     device: torch.device
     last: int
+    in_place: dict[int, bool]
+    """By segment: whether its layers modified their input in place in a checkpointed forward
+    (learned at the first, see :meth:`_checkpointed`)."""
 
     def _input(self, work: Work, seg: int, i: int) -> Tensors:
         if seg == 0:
@@ -128,9 +131,8 @@ class Compute:
             work.peak = max(work.peak, work.live)
             if checkpointed(work.policy, i, work.microbatches):
                 work.rng[(seg, i)] = RNGState.save(self.device)
-                with torch.no_grad():  # on copies: the recompute reads x and skips again
-                    kept = {k: None if t is None else copies((t,))[0] for k, t in skips.items()}
-                    out, stashed = self._compute(work, seg, i, copies(x), kept)
+                with torch.no_grad():
+                    out, stashed = self._checkpointed(work, seg, i, x, skips)
                 # Announce the gradients the recomputed outputs will want.
                 if self._wants_grad(seg, x, skips):
                     out = _announce(out)
@@ -147,6 +149,37 @@ class Compute:
                 work.skip_feed.setdefault((dest, i), {}).update((k, stashed[k]) for k in keys)
         if i in work.losses and seg == self.last:
             work.loss_parts.append(work.losses[i].detach())  # read once a step
+
+    def _checkpointed(
+        self, work: Work, seg: int, i: int, x: Tensors, skips: Skips
+    ) -> tuple[Tensors, Skips]:
+        """A checkpointed forward (under ``no_grad``), which must leave ``x`` and ``skips`` as
+        they were: the recompute reads them again. A segment's first one runs on copies, whose
+        versions tell whether its layers modify their input in place; such a segment always
+        gets copies, the others run on their inputs (no copy), and their inputs' versions are
+        checked after each forward: an in-place change there is an error, not a recompute
+        from changed inputs."""
+        known = self.in_place.get(seg)
+        if known is False:
+            inputs = [*x, *(t for t in skips.values() if t is not None)]
+            versions = _versions(inputs)
+            result = self._compute(work, seg, i, x, skips)
+            if _versions(inputs) != versions:
+                raise RuntimeError(
+                    f"stage {seg} modified its input in place in micro-batch {i}, where it had "
+                    f"not before; activation checkpointing recomputes the stage from that "
+                    f"input, so it must stay unchanged: make the in-place operation "
+                    f"unconditional (or out of place), or pass checkpoint='never'"
+                )
+            return result
+        x = copies(x)
+        skips = {k: None if t is None else copies((t,))[0] for k, t in skips.items()}
+        inputs = [*x, *(t for t in skips.values() if t is not None)]
+        versions = _versions(inputs)
+        result = self._compute(work, seg, i, x, skips)
+        if known is None:
+            self.in_place[seg] = _versions(inputs) != versions
+        return result
 
     def _wants_grad(self, seg: int, x: Tensors, skips: Skips) -> bool:
         if any(t.requires_grad for t in x):
@@ -248,3 +281,9 @@ def _announce(tensors: Sequence[Tensor | None]) -> tuple[Any, ...]:
         t.detach().requires_grad_(True) if t is not None and t.is_floating_point() else t
         for t in tensors
     )
+
+
+def _versions(tensors: list[Tensor]) -> list[int]:
+    """The version counters of ``tensors`` (each in-place change adds one); -1 for inference
+    tensors, which keep none."""
+    return [-1 if t.is_inference() else t._version for t in tensors]

@@ -88,6 +88,7 @@ class Runtime(FailureBlame, Compute):
         self.transport, self.timeout = transport, timeout
         self.device = device
         self.last = len(owners) - 1
+        self.in_place: dict[int, bool] = {}
         self._plans: dict[tuple[int, bool], tuple[list[Action], frozenset[tuple[int, int]]]] = {}
         self._settle: dict[tuple[int, bool], dict[Action, list[Action]]] = {}
         self._statuses: dict[int, PendingRecv] = {}
