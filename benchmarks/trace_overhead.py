@@ -59,9 +59,9 @@ def worker(args: argparse.Namespace) -> None:
         end_step(**kwargs)
         spent.append(time.perf_counter() - began)
 
-    def timed_write(step: Any) -> None:
+    def timed_write(step: Any, **options: Any) -> None:
         began = time.thread_time()
-        write(step)
+        write(step, **options)
         writing.append(time.thread_time() - began)
 
     recorder.end_step = timed_end_step  # type: ignore[method-assign]
