@@ -132,25 +132,49 @@ def input_backward(
         grads = (
             grads[:main] + [None] * (main - len(grads)) + [skips.pop(k, None) for k in run.stashes]
         )
-        pending.append((run, grads))
         pairs = _pairs(run.outputs, grads)
         wanted = [t for t in run.inputs if t.requires_grad]
         found: dict[int, Tensor | None] = {}
+        whole = False
         if pairs and wanted:
-            result = torch.autograd.grad(
-                [t for t, _ in pairs],
-                wanted,
-                [g for _, g in pairs],
-                retain_graph=True,
-                allow_unused=True,
-            )
+            outputs, given = [t for t, _ in pairs], [g for _, g in pairs]
+            result: Sequence[Tensor | None]
+            try:
+                result = torch.autograd.grad(
+                    outputs, wanted, given, retain_graph=True, allow_unused=True
+                )
+            except RuntimeError as e:
+                if "donated buffer" not in str(e):
+                    raise
+                whole = True  # a compiled layer: its backward runs whole, here
+                result = _whole_backward(run.layer, outputs, given, wanted)
             found = {id(t): g for t, g in zip(wanted, result)}
+        if not whole:
+            pending.append((run, grads))
         grads = [found.get(id(t)) for t in run.inputs]
         first_pop = len(run.inputs) - len(run.pops)
         for key, grad in zip(run.pops, grads[first_pop:]):
             skips[key] = grad
         grads = grads[:first_pop]
     return grads, pending
+
+
+def _whole_backward(
+    layer: object, outputs: list[Tensor], grads: list[Tensor], wanted: list[Tensor]
+) -> list[Tensor | None]:
+    """The input gradients of a layer whose backward cannot keep its graph for a later W (a
+    ``torch.compile``'d layer: AOTAutograd's compiled backward, with donated buffers, refuses
+    ``retain_graph``): one backward for its inputs and weights at once, which accumulates the
+    weight gradients now, as W would have. ``wanted`` are fresh leaves of this layer's call."""
+    params = (
+        [p for p in layer.parameters() if p.requires_grad] if isinstance(layer, nn.Module) else []
+    )
+    torch.autograd.backward(outputs, grads, inputs=[*wanted, *params])
+    result = []
+    for leaf in wanted:
+        result.append(leaf.grad)
+        leaf.grad = None
+    return result
 
 
 def weight_backward(pending: list[tuple[LayerRun, list[Tensor | None]]]) -> None:
