@@ -160,25 +160,22 @@ class Compute:
         checked after each forward: an in-place change there is an error, not a recompute
         from changed inputs."""
         known = self.in_place.get(seg)
-        if known is False:
-            inputs = [*x, *(t for t in skips.values() if t is not None)]
-            versions = _versions(inputs)
-            result = self._compute(work, seg, i, x, skips)
-            if _versions(inputs) != versions:
-                raise RuntimeError(
-                    f"stage {seg} modified its input in place in micro-batch {i}, where it had "
-                    f"not before; activation checkpointing recomputes the stage from that "
-                    f"input, so it must stay unchanged: make the in-place operation "
-                    f"unconditional (or out of place), or pass checkpoint='never'"
-                )
-            return result
-        x = copies(x)
-        skips = {k: None if t is None else copies((t,))[0] for k, t in skips.items()}
+        if known is not False:
+            x = copies(x)
+            skips = {k: None if t is None else copies((t,))[0] for k, t in skips.items()}
         inputs = [*x, *(t for t in skips.values() if t is not None)]
         versions = _versions(inputs)
         result = self._compute(work, seg, i, x, skips)
+        changed = _versions(inputs) != versions
         if known is None:
-            self.in_place[seg] = _versions(inputs) != versions
+            self.in_place[seg] = changed
+        elif changed and not known:
+            raise RuntimeError(
+                f"stage {seg} modified its input in place in micro-batch {i}, where it had "
+                f"not before; activation checkpointing recomputes the stage from that input, "
+                f"so it must stay unchanged: make the in-place operation unconditional (or "
+                f"out of place), or pass checkpoint='never'"
+            )
         return result
 
     def _wants_grad(self, seg: int, x: Tensors, skips: Skips) -> bool:
