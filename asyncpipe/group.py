@@ -12,10 +12,17 @@ from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import PrefixStore
+from torch.distributed.rendezvous import rendezvous
 
 __all__: list[str] = []
 
 _TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+_GROUPS = 0
+"""Default process groups :func:`init` has set up in this process. Every rank of a job calls
+it as often as the others, so the count (with torchrun's restart count) names each new group's
+keys alike on every rank."""
 
 
 def init(
@@ -27,7 +34,8 @@ def init(
 ) -> None:
     """Set up the default process group from torchrun's environment, and RPC if asked.
 
-    Harmless when the process group (or RPC) already exists (it is left as it is). The backend
+    Harmless when the process group (or RPC) already exists (it is left as it is); after
+    :func:`shutdown` it sets them up again (every rank must call it again). The backend
     is NCCL when every process of the node has a GPU of its own, else gloo (no GPU, or more
     processes than GPUs: NCCL refuses two ranks on one GPU). With CUDA, the current device is
     set to GPU ``LOCAL_RANK % torch.cuda.device_count()``, so processes that outnumber the GPUs
@@ -80,9 +88,8 @@ class GroupRef:
         if group is None:
             raise RuntimeError(
                 "the process group of this pipeline was destroyed (destroy_process_group() or "
-                "asyncpipe.shutdown()); a pipeline cannot run after that: restart the job "
-                "(under torchrun, a new asyncpipe.init() in the same processes cannot meet "
-                "again reliably) and build a new AsyncPipe"
+                "asyncpipe.shutdown()); a pipeline cannot run after that: call "
+                "asyncpipe.init() again (on every rank) and build a new AsyncPipe"
             )
         return group
 
@@ -113,7 +120,23 @@ def _init_group(backend: str | None, timeout: float | datetime.timedelta) -> Non
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % gpus)
     if not isinstance(timeout, datetime.timedelta):
         timeout = datetime.timedelta(seconds=float(timeout))
-    dist.init_process_group(backend=backend, timeout=timeout)
+    global _GROUPS
+    restart = _restart()
+    if not _GROUPS and not restart:
+        dist.init_process_group(backend=backend, timeout=timeout)
+    else:
+        # Again in this process (after shutdown()), or in a process torchrun restarted: its
+        # store outlives the first group and still holds that group's keys (each rank's
+        # address, under the same names a new group would use), so a rank could read a peer's
+        # old address before the peer wrote the new one and fail to connect. A new group's
+        # keys go under a name of their own, the same on every rank of the attempt.
+        store, rank, world = next(rendezvous("env://", timeout=timeout))
+        store.set_timeout(timeout)
+        store = PrefixStore(f"asyncpipe.init.{restart}.{_GROUPS}", store)
+        dist.init_process_group(
+            backend=backend, store=store, rank=rank, world_size=world, timeout=timeout
+        )
+    _GROUPS += 1
 
 
 def _init_rpc(timeout: float | datetime.timedelta, worker_map: Mapping[int, str] | None) -> None:
@@ -135,10 +158,30 @@ def _init_rpc(timeout: float | datetime.timedelta, worker_map: Mapping[int, str]
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
         for worker, mapping in device_maps(rank, world, local_world, names, gpus).items():
             options.set_device_map(worker, dict(mapping.items()))
+    _fresh_rpc_keys(_restart())
     torch_rpc.init_rpc(  # type: ignore[no-untyped-call]
         names[rank], rank=rank, world_size=world, rpc_backend_options=options
     )
     atexit.register(_end_rpc_at_exit)
+
+
+def _restart() -> int:
+    """How many times torchrun has restarted this job's workers (0: the first attempt)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def _fresh_rpc_keys(restart: int) -> None:
+    """Have ``init_rpc`` of a restarted attempt name its store keys apart from the attempt
+    before's. torch names them after a count of this process's ``init_rpc`` calls, which starts
+    at 0 again in a restarted process, so the old attempt's addresses (still in torchrun's
+    store) were read and refused. The count is torch's private ``rpc._init_counter``: where a
+    torch has none, nothing is done."""
+    from torch.distributed import rpc as torch_rpc
+
+    if restart and hasattr(torch_rpc, "_init_counter") and hasattr(torch_rpc, "_init_counter_lock"):
+        with torch_rpc._init_counter_lock:
+            first = restart * 1_000_000  # far above the calls one process makes
+            torch_rpc._init_counter = max(torch_rpc._init_counter, first)
 
 
 def _end_rpc_at_exit() -> None:

@@ -25,11 +25,6 @@ def main(
 ) -> None:
     rank = int(os.environ["RANK"])
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if attempt > 0:
-        # A fresh rendezvous for every attempt: the restarted group may otherwise find the
-        # previous attempt's addresses in torchrun's store and stall connecting to them.
-        os.environ["MASTER_PORT"] = str(int(os.environ["MASTER_PORT"]) + 100 + attempt)
-        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
     asyncpipe.init(backend="gloo", timeout=60, rpc=transport == "rpc")
     pipe = asyncpipe.AsyncPipe(training.model(), [4, 4], chunks=2, timeout=20, transport=transport)
     opt = training.optimizer(pipe.parameters())
