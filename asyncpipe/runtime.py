@@ -304,7 +304,7 @@ class Runtime(FailureBlame, Compute):
         # finished. A peer that ended right after its step (a kill between steps; over RPC its
         # receipt may not have left) fails the next step instead of this one, which ran
         # everywhere.
-        with contextlib.suppress(PEER_ERRORS):
+        with contextlib.suppress(*PEER_ERRORS):
             self.transport.flush(self.timeout)
         inputs = {int(row[6]) for row in table if row[6] >= 0}
         targets = {int(row[7]) for row in table if row[7] >= 0}
