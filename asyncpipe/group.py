@@ -58,6 +58,7 @@ def init(
     """
     if not dist.is_initialized():
         _init_group(backend, timeout)
+    pause_at_exit()
     if rpc:
         _init_rpc(timeout, worker_map)
 
@@ -82,6 +83,7 @@ class GroupRef:
         if chosen is None:
             raise RuntimeError("torch.distributed is not initialized: call asyncpipe.init()")
         self._ref = weakref.ref(chosen)
+        pause_at_exit()
 
     def __call__(self) -> dist.ProcessGroup:
         group = self._ref()
@@ -203,6 +205,27 @@ def _end_rpc_at_exit() -> None:
 _RELEASE_S = 0.1
 """How long :func:`shutdown` leaves the default group's worker threads to let go of the work
 they finished (see "Ending a job" in the reliability guide)."""
+
+
+_PAUSING = False
+
+
+def pause_at_exit() -> None:
+    """Have this process pause for a moment at exit if the default group is alive then (the
+    script did not call :func:`shutdown`), as :func:`shutdown` does after destroying it: the
+    group's worker threads let go of the collectives they finished while the interpreter can
+    still serve them, instead of aborting the exiting process (``terminate called without an
+    active exception``, signal 6). Registered once, by :func:`init` and by everything that
+    holds a group."""
+    global _PAUSING
+    if not _PAUSING:
+        _PAUSING = True
+        atexit.register(_pause_if_group_lives)
+
+
+def _pause_if_group_lives() -> None:
+    if dist.is_available() and dist.is_initialized():
+        time.sleep(_RELEASE_S)
 
 
 def shutdown() -> None:
