@@ -300,12 +300,10 @@ class Runtime(FailureBlame, Compute):
         self.stop_agreed = any(row[5] for row in table)
         self._statuses = {}
         # Every rank said its step went well, so each took every message it needed; what is
-        # left unconfirmed is a peer's receipt of this rank's news, which that peer read if it
-        # finished. A peer that ended right after its step (a kill between steps; over RPC its
-        # receipt may not have left) fails the next step instead of this one, which ran
-        # everywhere.
-        with contextlib.suppress(*PEER_ERRORS):
-            self.transport.flush(self.timeout)
+        # left unconfirmed is a peer's receipt of this rank's news. A peer that ended right
+        # after its step (a kill between steps) fails the next step instead of this one,
+        # which ran everywhere.
+        self.transport.flush_received(self.timeout)
         inputs = {int(row[6]) for row in table if row[6] >= 0}
         targets = {int(row[7]) for row in table if row[7] >= 0}
         if inputs and targets and inputs != targets:
@@ -333,7 +331,7 @@ class Runtime(FailureBlame, Compute):
         table[self.rank] = [float(v) for v in values]
         for peer, receive in pending.items():
             table[peer] = receive.wait(self.timeout).values(peer, "values")
-        self.transport.flush(self.timeout)
+        self.transport.flush_received(self.timeout)
         return table
 
     # ----- handlers ----------------------------------------------------------------------

@@ -155,7 +155,7 @@ class Stream:
         events, busy, peak = self._run(self.windows["drain"], {1: self.previous}, 2, start)
         self._update(self.optimizer, keep=False)
         loss = self._read_news()
-        self.runtime.transport.flush(self.runtime.timeout)
+        self.runtime.transport.flush_received(self.runtime.timeout)  # every rank's news is in
         self.previous = None
         self.batches = 0
         return loss, StepReport(time.perf_counter() - start, busy, events, start, peak)

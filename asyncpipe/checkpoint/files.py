@@ -178,7 +178,8 @@ def _exchange(pipe: AsyncPipe, error: str | None) -> str | None:
     if transport.rank != 0:
         transport.send(0, CHECKPOINT_CHANNEL, Message(0, 1, ok, error=error))
         answer = transport.recv(0, CHECKPOINT_CHANNEL).wait(timeout)
-        transport.flush(timeout)
+        # rank 0 answers after it took every rank's part; it may exit at once (GracefulStop)
+        transport.flush_received(timeout)
         return answer.error
     problems = [f"rank 0: {error}"] if error else []
     for peer in range(1, transport.world_size):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import contextlib
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -98,6 +99,16 @@ class Transport(abc.ABC):
         """Wait, at most ``timeout`` s in all, until every send started so far has been taken
         by its receiver (but those :meth:`defer` put off since the last flush); raise
         TransportTimeout if some were not."""
+
+    def flush_received(self, timeout: float) -> None:
+        """:meth:`flush`, for a rank that has received every message it needs of an
+        exchange: what it got is complete, and the receipts still owed only confirm that the
+        peers took its own messages, which a peer needs and waits for on its side. So a peer
+        gone meanwhile (over RPC a peer that took the message and ended its process at once
+        can take the receipt with it) is no failure here; it fails the next exchange with
+        it, or that peer's own wait."""
+        with contextlib.suppress(TransportTimeout, ConnectionError):
+            self.flush(timeout)
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources (pending messages are dropped)."""
