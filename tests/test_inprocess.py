@@ -558,3 +558,30 @@ def test_the_last_stage_reads_its_losses_once_a_step() -> None:
     losses = values(run_threads(fn, 2))
     assert losses == pytest.approx([want_loss] * 2, rel=1e-6)
     assert Counted.reads == 1  # one step of 4 micro-batches: one read
+
+
+class _Unconfirmed(Transport):
+    """A transport whose flush fails as ``error`` does: receipts a peer never returned."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.rank, self.world_size, self.error = 0, 2, error
+
+    def send(self, dst: int, channel: int, message: Any) -> None:
+        raise AssertionError("not used")
+
+    def recv(self, src: int, channel: int, slot: int = 0) -> Any:
+        raise AssertionError("not used")
+
+    def flush(self, timeout: float) -> None:
+        raise self.error
+
+
+def test_flush_received_forgives_missing_receipts_only() -> None:
+    from asyncpipe.transport import PeerLost, TransportTimeout
+
+    _Unconfirmed(TransportTimeout("rank 0 could not deliver a message to rank 1")).flush_received(1)
+    _Unconfirmed(PeerLost("rank 0 lost rank 1", 1)).flush_received(1)
+    with pytest.raises(TransportTimeout):
+        _Unconfirmed(TransportTimeout("late")).flush(1)
+    with pytest.raises(RuntimeError, match="a bug"):  # anything else is not a receipt
+        _Unconfirmed(RuntimeError("a bug")).flush_received(1)
