@@ -164,6 +164,7 @@ def _init_rpc(timeout: float | datetime.timedelta, worker_map: Mapping[int, str]
     torch_rpc.init_rpc(  # type: ignore[no-untyped-call]
         names[rank], rank=rank, world_size=world, rpc_backend_options=options
     )
+    atexit.unregister(_end_rpc_at_exit)  # once, after the newest agent (init after shutdown)
     atexit.register(_end_rpc_at_exit)
 
 
