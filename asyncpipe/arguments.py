@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .failure import StageFailure
 from .lazy import LazyModule
 from .partition import Layer
 from .precision import DTYPES
@@ -426,6 +427,15 @@ def agree(
     mine = [float(zlib.crc32(repr(fields[name]).encode())) for name in names]
     try:
         table = exchange(mine)
+    except StageFailure as e:  # that rank's constructor failed after connecting
+        raise StageFailure(
+            f"AsyncPipe cannot be built: its constructor failed on rank {e.rank} (stage "
+            f"{e.rank}) with {e} (see the error there); rank {rank} stops too, before any step",
+            rank=e.rank,
+            stage=e.rank,
+            microbatch=-1,
+            action="",
+        ) from e
     except (TransportTimeout, ConnectionError) as e:
         kind = TransportTimeout if isinstance(e, TransportTimeout) else ConnectionError
         raise kind(

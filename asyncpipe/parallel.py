@@ -14,6 +14,7 @@ wait for the rest of the pipeline to finish the step.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from .failure import StageFailure
 from .group import GroupRef
 from .transport import P2PTransport, RPCTransport, ShmTransport, Transport, TransportTimeout
 from .transport.rpc import worker_names
@@ -134,14 +136,19 @@ class GradientAverager:
 
 
 _NAMES = ("p2p", "shm", "rpc")
+_REFUSED = -1  # the code of a rank that rejected its own arguments
 
 
-def same_transport(name: str, device: torch.device, timeout: float) -> None:
+def same_transport(name: str | None, device: torch.device, timeout: float) -> None:
     """Check, in one collective over the world, that every rank builds the transport ``name``:
     a rank building another would wait in its own set-up (shm's is collective) or for messages
-    that never come, until the timeout. Raises ValueError naming each rank's choice."""
+    that never come, until the timeout. Raises ValueError naming each rank's choice.
+
+    ``name=None``: this rank rejected its own arguments and takes part only to tell the others,
+    which raise a StageFailure naming it at once instead of waiting here until the timeout."""
     where = device if dist.get_backend() == "nccl" else torch.device("cpu")
-    mine = torch.tensor([_NAMES.index(name)], dtype=torch.int64, device=where)
+    code = _REFUSED if name is None else _NAMES.index(name)
+    mine = torch.tensor([code], dtype=torch.int64, device=where)
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     work = dist.all_gather(everyone, mine, async_op=True)
     try:
@@ -153,13 +160,59 @@ def same_transport(name: str, device: torch.device, timeout: float) -> None:
             f"{dist.get_rank()} waited {timeout:.1f} s for the others: did the constructor fail "
             f"on some rank, or is AsyncPipe not built there? ({str(e).splitlines()[0]})"
         ) from e
-    names = [_NAMES[int(t.item())] for t in everyone]
+    codes = [int(t.item()) for t in everyone]
+    refused = [rank for rank, c in enumerate(codes) if c == _REFUSED]
+    if name is None:
+        return
+    if refused:
+        ranks = ", ".join(map(str, refused))
+        raise StageFailure(
+            f"AsyncPipe cannot be built: rank{'s' if len(refused) > 1 else ''} {ranks} rejected "
+            f"{'their' if len(refused) > 1 else 'its'} arguments (see the error there for what "
+            f"is wrong and how to fix it); rank {dist.get_rank()} stops too, before any message "
+            f"of the pipeline",
+            rank=refused[0],
+            stage=-1,
+            microbatch=-1,
+            action="",
+        )
+    names = [_NAMES[c] for c in codes]
     if len(set(names)) > 1:
         listed = ", ".join(f"rank {rank}: {n!r}" for rank, n in enumerate(names))
         raise ValueError(
             f"every rank must build the same transport ({listed}); pass the same transport= "
             f"on every rank"
         )
+
+
+REFUSAL_SECONDS = 10.0
+"""How long a rank whose constructor failed waits for the others to hear it (they may never
+build AsyncPipe)."""
+
+
+def refuse(transport: object, device: object, timeout: object, error: BaseException) -> None:
+    """Tell the other ranks that this rank's constructor rejected its arguments with
+    ``error`` (the caller raises it after), where they meet next: in the collective of
+    :func:`same_transport` for a transport named by a string, or in the argument check's
+    exchange over a ready Transport (with the error's text). They raise a StageFailure naming
+    this rank at once instead of waiting until the timeout. Waits :data:`REFUSAL_SECONDS` at
+    most (the others may never build AsyncPipe) and never raises: this rank's own error is
+    what its caller must see."""
+    seconds = REFUSAL_SECONDS
+    if isinstance(timeout, (int, float)) and 0 < timeout < seconds:
+        seconds = float(timeout)
+    if isinstance(transport, Transport):
+        from .runtime import refuse_exchange
+
+        refuse_exchange(transport, f"{type(error).__name__}: {error}", seconds)
+        return
+    if not isinstance(transport, str) or not dist.is_initialized():
+        return
+    with contextlib.suppress(Exception):
+        where = torch.device("cpu")
+        if dist.get_backend() == "nccl":
+            where = torch.device("cuda", torch.cuda.current_device())
+        same_transport(None, where, seconds)
 
 
 def connect(

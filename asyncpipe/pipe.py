@@ -26,13 +26,13 @@ from .lazy import LazyModule
 from .manual import ManualBackward
 from .microbatch import Tensors, as_tensors, scatter
 from .names import layer_names, rename_loaded, rename_missing, rename_saved
-from .parallel import GradientAverager, connect
-from .partition import Partition, Segment, partition
+from .parallel import REFUSAL_SECONDS, GradientAverager, connect, refuse
+from .partition import Layer, Partition, Segment, partition
 from .precision import LossScaler, clip_norm
-from .runtime import Runtime
+from .runtime import Runtime, refuse_exchange
 from .schedule import Action, Plan
 from .shared import SharedWeights
-from .skip.routes import find_routes
+from .skip.routes import SkipRoutes, find_routes
 from .stream import Stream, check_two_bw_options
 from .trace import TraceWriter
 from .traced import TracedSteps
@@ -148,22 +148,31 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
             balance = auto_balance(
                 balance, module, sample, transport, virtual_stages, data_parallel_size
             )
-        options = option_problems(
-            transport=transport,
-            balance=balance,
-            virtual_stages=virtual_stages,
-            timeout=timeout,
-            autocast=autocast,
-            loss_scale=loss_scale,
-            data_parallel_size=data_parallel_size,
-            shared_weights=bool(shared_weights),
-            trace=trace,
-            trace_every=trace_every,
-            device=device,
-        )
-        layers = check_arguments(
-            module, balance, chunks, checkpoint, schedule, virtual_stages, lookahead, options
-        )
+        try:
+            options = option_problems(
+                transport=transport,
+                balance=balance,
+                virtual_stages=virtual_stages,
+                timeout=timeout,
+                autocast=autocast,
+                loss_scale=loss_scale,
+                data_parallel_size=data_parallel_size,
+                shared_weights=bool(shared_weights),
+                trace=trace,
+                trace_every=trace_every,
+                device=device,
+            )
+            layers = check_arguments(
+                module, balance, chunks, checkpoint, schedule, virtual_stages, lookahead, options
+            )
+            if reduce_activations and autocast is None:
+                raise ValueError(
+                    "reduce_activations sends float32 activations in the autocast dtype; pass "
+                    "autocast=torch.bfloat16 (or float16) with it"
+                )
+        except Exception as e:
+            refuse(transport, device, timeout, e)  # the other ranks learn it at once
+            raise
         if device is None:
             use_cuda = dist.is_initialized() and dist.get_backend() == "nccl"
             device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else None
@@ -185,11 +194,6 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
         """Micro-batches each rank's forwards run ahead of the next rank's (``"2bw"``)."""
         self.timeout = float(timeout)
         self.autocast = autocast
-        if reduce_activations and autocast is None:
-            raise ValueError(
-                "reduce_activations sends float32 activations in the autocast dtype; pass "
-                "autocast=torch.bfloat16 (or float16) with it"
-            )
         self.reduce_activations = bool(reduce_activations)
         self.scaler = LossScaler(float(loss_scale)) if autocast is torch.float16 else None
         self.overflow = False
@@ -201,6 +205,65 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
         self.stage = transport.rank
         self.num_stages = transport.world_size
         self.virtual_stages = virtual_stages
+        try:  # a failure here reaches the other ranks in agree() below
+            partitions, segments, routes = self._build_stage(module, layers, deferred_batch_norm)
+            owners = [seg.stage for seg in segments]
+            plan = plan_factory(schedule, owners, transport.world_size, virtual_stages)
+            fields = same_everywhere(self, layers, schedule, shared_weights, trace is not None)
+        except Exception as e:
+            seconds = min(self.timeout, REFUSAL_SECONDS)
+            refuse_exchange(transport, f"{type(e).__name__}: {e}", seconds)
+            raise
+        local = {
+            seg.index: [self.layers[inv.this.index] for inv in seg.invocations]
+            for seg in segments
+            if seg.stage == self.stage
+        }
+        global_rank = (
+            {r: transport.global_rank(r) for r in range(transport.world_size)}
+            if isinstance(transport, GroupTransport)
+            else None
+        )
+        self._runtime = Runtime(
+            self.stage,
+            local,
+            owners,
+            plan,
+            transport,
+            self.timeout,
+            self.device,
+            routes,
+        )
+        agree(self._runtime.exchange, self.stage, fields)  # before anything waits on the others
+        self._shared = SharedWeights(
+            shared_weights, layers, partitions, self.stage, global_rank, self.timeout
+        )
+        self.skip_routes = routes
+        if data_parallel_group is not None:
+            self._averager = GradientAverager(
+                list(self.parameters()), data_parallel_group, self.data_parallel_size, self.device
+            )
+            self._runtime.after_backward = self._averager.start
+        self._start_trace(trace, trace_every, schedule, virtual_stages, transport)
+        self._stream: Stream | None = None
+        if schedule == "2bw":
+            check_two_bw_options(self, shared_weights)
+            self._stream = Stream(
+                self._runtime, list(self.parameters()), len(segments), chunks, lookahead
+            )
+        self._last_segment = len(segments) - 1
+        self._first_rank = segments[0].stage
+        self._last_rank = segments[-1].stage
+        self._pending: Work | None = None
+        self._broken: StageFailure | None = None
+        self.last_step: StepReport | None = None
+
+    def _build_stage(
+        self, module: object, layers: list[Layer], deferred_batch_norm: bool
+    ) -> tuple[list[Partition], list[Segment], SkipRoutes]:
+        """Partition the model and build this rank's layers (LazyModules built here, BatchNorm
+        deferred, moved to the device); sets the attributes of the local stage."""
+        balance, transport = self.balance, self.transport
         partitions, segments = partition(layers, balance, transport.world_size)
         routes = find_routes(layers, segments)
         self.partitions: list[Partition] = partitions
@@ -230,51 +293,7 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
         self.register_state_dict_post_hook(rename_saved)  # type: ignore[no-untyped-call]
         self.register_load_state_dict_pre_hook(rename_loaded)  # type: ignore[no-untyped-call]
         self.register_load_state_dict_post_hook(rename_missing)  # type: ignore[no-untyped-call]
-        local = {
-            seg.index: [self.layers[inv.this.index] for inv in seg.invocations]
-            for seg in segments
-            if seg.stage == self.stage
-        }
-        owners = [seg.stage for seg in segments]
-        global_rank = (
-            {r: transport.global_rank(r) for r in range(transport.world_size)}
-            if isinstance(transport, GroupTransport)
-            else None
-        )
-        self._runtime = Runtime(
-            self.stage,
-            local,
-            owners,
-            plan_factory(schedule, owners, transport.world_size, virtual_stages),
-            transport,
-            self.timeout,
-            self.device,
-            routes,
-        )
-        fields = same_everywhere(self, layers, schedule, shared_weights, trace is not None)
-        agree(self._runtime.exchange, self.stage, fields)  # before anything waits on the others
-        self._shared = SharedWeights(
-            shared_weights, layers, partitions, self.stage, global_rank, self.timeout
-        )
-        self.skip_routes = routes
-        if data_parallel_group is not None:
-            self._averager = GradientAverager(
-                list(self.parameters()), data_parallel_group, self.data_parallel_size, self.device
-            )
-            self._runtime.after_backward = self._averager.start
-        self._start_trace(trace, trace_every, schedule, virtual_stages, transport)
-        self._stream: Stream | None = None
-        if schedule == "2bw":
-            check_two_bw_options(self, shared_weights)
-            self._stream = Stream(
-                self._runtime, list(self.parameters()), len(segments), chunks, lookahead
-            )
-        self._last_segment = len(segments) - 1
-        self._first_rank = segments[0].stage
-        self._last_rank = segments[-1].stage
-        self._pending: Work | None = None
-        self._broken: StageFailure | None = None
-        self.last_step: StepReport | None = None
+        return partitions, segments, routes
 
     # ----- the local layers --------------------------------------------------------------
 

@@ -330,7 +330,10 @@ class Runtime(FailureBlame, Compute):
         table: list[list[float]] = [[] for _ in range(self.transport.world_size)]
         table[self.rank] = [float(v) for v in values]
         for peer, receive in pending.items():
-            table[peer] = receive.wait(self.timeout).values(peer, "values")
+            message = receive.wait(self.timeout)
+            if message.error is not None:  # see refuse_exchange
+                raise StageFailure(message.error, rank=peer, stage=-1, microbatch=-1, action="")
+            table[peer] = message.values(peer, "values")
         self.transport.flush_received(self.timeout)
         return table
 
@@ -440,6 +443,30 @@ class Runtime(FailureBlame, Compute):
                 work.skip_back.pop((seg, i), None)
         peer, channel = self.channel(action)
         self.transport.send(peer, channel, Message(i, work.microbatches, grads))
+
+
+def refuse_exchange(transport: Transport, text: str, timeout: float) -> None:
+    """Take part in the next :meth:`Runtime.exchange` with ``text`` as an error in place of
+    this rank's values: the other ranks raise it as a StageFailure naming this rank instead of
+    waiting for values that never come. This rank takes their messages too (their values, or
+    their own errors where they failed as well), ``timeout`` seconds at most, so that the
+    channel holds nothing stale for a later exchange. Never raises: the caller raises its own
+    error after."""
+    peers = [r for r in range(transport.world_size) if r != transport.rank]
+    notice = Message(0, 0, (), error=text)
+    deadline = time.monotonic() + timeout
+    pending: list[PendingRecv] = []
+    with contextlib.suppress(Exception):  # a peer that is gone cannot be told
+        if transport.early_receives:  # else post after sending, in the peers' order
+            pending = [transport.recv(peer, EXCHANGE_CHANNEL) for peer in peers]
+        for peer in peers:
+            transport.send(peer, EXCHANGE_CHANNEL, notice)
+        pending = pending or [transport.recv(peer, EXCHANGE_CHANNEL) for peer in peers]
+    for receive in pending:
+        with contextlib.suppress(Exception):
+            receive.wait(max(deadline - time.monotonic(), 0.001))
+    with contextlib.suppress(Exception):
+        transport.flush_received(max(deadline - time.monotonic(), 0.001))
 
 
 def _check_posting_order(plan: Plan) -> None:

@@ -637,3 +637,38 @@ def scalar_boundary(rank: int, world: int) -> Any:
         want = torch.cat([plain(piece) for piece in x.chunk(2)])
     out["inference"] = float((result - want).abs().max()) if pipe.is_last_stage else 0.0
     return out
+
+
+def no_memory() -> nn.Module:
+    """A layer whose real build fails (as out of memory would); its description on the meta
+    device, which every rank builds to read skip declarations, does not."""
+    if torch.empty(0).device.type != "meta":
+        raise RuntimeError("no memory left for this layer")
+    return nn.Linear(4, 4)
+
+
+def one_rank_cannot_build(rank: int, world: int, where: str, transport: str = "p2p") -> Any:
+    """Build a pipeline whose constructor fails on rank 1 only: ``"arguments"``, a bad chunks
+    there (rejected before connecting); ``"build"``, its LazyModule's factory raises (after
+    connecting); ``"build-all"``, every rank's does. Then build a good pipeline in the same
+    processes and run a step. Returns (error type, text, the error's rank or -1, the good
+    step's loss minus the plain model's)."""
+    layers: list[nn.Module | LazyModule] = [nn.Linear(4, 4) for _ in range(world)]
+    if where == "build":
+        layers[1] = LazyModule(no_memory)
+    if where == "build-all":
+        layers = [LazyModule(no_memory) for _ in range(world)]
+    chunks = 0 if where == "arguments" and rank == 1 else 2
+    try:
+        AsyncPipe(layers, [1] * world, chunks=chunks, timeout=60, transport=transport)
+        seen: tuple[str, str, int] = ("no error", "", -1)
+    except StageFailure as e:
+        seen = ("StageFailure", str(e), e.rank)
+    except Exception as e:
+        seen = (type(e).__name__, str(e), -1)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(world)])
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    plain = float(mse(copy.deepcopy(model)(x), y))
+    pipe = AsyncPipe(model, [1] * world, chunks=2, timeout=60, transport=transport)
+    return (*seen, abs(pipe.step(x, y, mse) - plain))

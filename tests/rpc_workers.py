@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 import torch
-from gloo_workers import one_tuples, transparency
+from gloo_workers import one_rank_cannot_build, one_tuples, transparency
 from models import mlp, reference
 from skip_workers import skips
 from torch import Tensor, nn
@@ -26,6 +26,15 @@ def rpc_transparency(rank: int, world: int, *args: Any) -> Any:
     asyncpipe.init(rpc=True)
     try:
         return transparency(rank, world, *args, transport="rpc")
+    finally:
+        asyncpipe.shutdown()
+
+
+def rpc_cannot_build(rank: int, world: int, where: str) -> Any:
+    """``one_rank_cannot_build`` over the RPC transport."""
+    asyncpipe.init(rpc=True)
+    try:
+        return one_rank_cannot_build(rank, world, where, transport="rpc")
     finally:
         asyncpipe.shutdown()
 

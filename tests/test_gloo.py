@@ -15,6 +15,7 @@ from gloo_workers import (
     features,
     large_steps,
     message_sizes,
+    one_rank_cannot_build,
     one_tuples,
     packed_reuse,
     scalar_boundary,
@@ -131,6 +132,40 @@ def test_failure_reaches_every_rank(where: str, action: str) -> None:
         assert "stage 1" in text and f"injected {where} failure" in text or rank != 1, text
         assert seconds < 30
     assert results[1][4] == action
+
+
+@pytest.mark.parametrize(
+    "where,transport",
+    [
+        ("arguments", "p2p"),
+        ("build", "p2p"),
+        ("build-all", "p2p"),
+        ("arguments", "shm"),
+        ("build", "shm"),
+        ("build-all", "shm"),
+    ],
+)
+def test_a_constructor_that_fails_on_one_rank_stops_the_others_at_once(
+    where: str, transport: str
+) -> None:
+    # Without the news, ranks 0 and 2 would wait in the constructor for rank 1 until the
+    # timeout (60 s), then blame a silent peer. A good pipeline built after it in the same
+    # processes finds nothing stale from the failed one.
+    results = run_ranks(one_rank_cannot_build, 3, where, transport, timeout=120)
+    for rank, (kind, text, culprit, loss) in enumerate(results):
+        assert loss < 1e-6, (rank, loss)
+        if rank == 1 or where == "build-all":
+            if where == "arguments":
+                assert kind == "ValueError" and "chunks must be" in text, text
+            else:
+                assert kind == "RuntimeError" and text == "no memory left for this layer", text
+            continue
+        assert kind == "StageFailure" and culprit == 1, (rank, kind, text)
+        assert f"rank {rank} stops too" in text and "timed out" not in text, text
+        if where == "arguments":
+            assert "rank 1 rejected its arguments" in text, text
+        else:
+            assert "failed on rank 1 (stage 1) with RuntimeError: no memory left" in text, text
 
 
 def test_a_hung_stage_fails_the_others_within_the_timeout() -> None:
