@@ -190,24 +190,20 @@ REFUSAL_SECONDS = 10.0
 build AsyncPipe)."""
 
 
-def refuse(transport: object, device: object, timeout: object, error: BaseException) -> None:
-    """Tell the other ranks that this rank's constructor rejected its arguments with
-    ``error`` (the caller raises it after), where they meet next: in the collective of
-    :func:`same_transport` for a transport named by a string, or in the argument check's
-    exchange over a ready Transport (with the error's text). They raise a StageFailure naming
-    this rank at once instead of waiting until the timeout. Waits :data:`REFUSAL_SECONDS` at
-    most (the others may never build AsyncPipe) and never raises: this rank's own error is
-    what its caller must see."""
+def refuse(transport: object, device: object, timeout: object) -> None:
+    """Tell the other ranks that this rank's constructor rejected its arguments (the caller
+    raises its error after), in the collective where they meet it first
+    (:func:`same_transport`): they raise a StageFailure naming this rank at once instead of
+    waiting until the timeout. Waits :data:`REFUSAL_SECONDS` at most (the others may never
+    build AsyncPipe) and never raises: this rank's own error is what its caller must see.
+    Nothing where the others do not meet there (no torch.distributed, or a ready Transport,
+    whose first exchange is the argument check's: a message there would stay unread for a
+    later pipeline where every rank failed)."""
+    if not isinstance(transport, str) or not dist.is_initialized():
+        return
     seconds = REFUSAL_SECONDS
     if isinstance(timeout, (int, float)) and 0 < timeout < seconds:
         seconds = float(timeout)
-    if isinstance(transport, Transport):
-        from .runtime import refuse_exchange
-
-        refuse_exchange(transport, f"{type(error).__name__}: {error}", seconds)
-        return
-    if not isinstance(transport, str) or not dist.is_initialized():
-        return
     with contextlib.suppress(Exception):
         where = torch.device("cpu")
         if dist.get_backend() == "nccl":

@@ -32,7 +32,7 @@ from .precision import LossScaler, clip_norm
 from .runtime import Runtime, refuse_exchange
 from .schedule import Action, Plan
 from .shared import SharedWeights
-from .skip.routes import SkipRoutes, find_routes
+from .skip.routes import find_routes
 from .stream import Stream, check_two_bw_options
 from .trace import TraceWriter
 from .traced import TracedSteps
@@ -170,8 +170,8 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
                     "reduce_activations sends float32 activations in the autocast dtype; pass "
                     "autocast=torch.bfloat16 (or float16) with it"
                 )
-        except Exception as e:
-            refuse(transport, device, timeout, e)  # the other ranks learn it at once
+        except Exception:
+            refuse(transport, device, timeout)  # the other ranks learn it at once
             raise
         if device is None:
             use_cuda = dist.is_initialized() and dist.get_backend() == "nccl"
@@ -205,15 +205,19 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
         self.stage = transport.rank
         self.num_stages = transport.world_size
         self.virtual_stages = virtual_stages
-        try:  # a failure here reaches the other ranks in agree() below
-            partitions, segments, routes = self._build_stage(module, layers, deferred_batch_norm)
-            owners = [seg.stage for seg in segments]
-            plan = plan_factory(schedule, owners, transport.world_size, virtual_stages)
-            fields = same_everywhere(self, layers, schedule, shared_weights, trace is not None)
+        partitions, segments = partition(layers, balance, transport.world_size)
+        routes = find_routes(layers, segments)
+        self.partitions: list[Partition] = partitions
+        self.segments: list[Segment] = segments
+        try:  # this rank's own: a failure here reaches the others in agree() below
+            self._build_stage(module, layers, deferred_batch_norm)
         except Exception as e:
             seconds = min(self.timeout, REFUSAL_SECONDS)
             refuse_exchange(transport, f"{type(e).__name__}: {e}", seconds)
             raise
+        owners = [seg.stage for seg in segments]
+        plan = plan_factory(schedule, owners, transport.world_size, virtual_stages)
+        fields = same_everywhere(self, layers, schedule, shared_weights, trace is not None)
         local = {
             seg.index: [self.layers[inv.this.index] for inv in seg.invocations]
             for seg in segments
@@ -258,17 +262,10 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
         self._broken: StageFailure | None = None
         self.last_step: StepReport | None = None
 
-    def _build_stage(
-        self, module: object, layers: list[Layer], deferred_batch_norm: bool
-    ) -> tuple[list[Partition], list[Segment], SkipRoutes]:
-        """Partition the model and build this rank's layers (LazyModules built here, BatchNorm
-        deferred, moved to the device); sets the attributes of the local stage."""
-        balance, transport = self.balance, self.transport
-        partitions, segments = partition(layers, balance, transport.world_size)
-        routes = find_routes(layers, segments)
-        self.partitions: list[Partition] = partitions
-        self.segments: list[Segment] = segments
-        mine = partitions[self.stage]
+    def _build_stage(self, module: object, layers: list[Layer], deferred_batch_norm: bool) -> None:
+        """Build this rank's layers (LazyModules built here, BatchNorm deferred, moved to the
+        device) and set the attributes of the local stage."""
+        mine = self.partitions[self.stage]
         built = [layer.build() if isinstance(layer, LazyModule) else layer for layer in mine.layers]
         self.deferred_batch_norm = bool(deferred_batch_norm)
         if self.deferred_batch_norm:
@@ -293,7 +290,6 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
         self.register_state_dict_post_hook(rename_saved)  # type: ignore[no-untyped-call]
         self.register_load_state_dict_pre_hook(rename_loaded)  # type: ignore[no-untyped-call]
         self.register_load_state_dict_post_hook(rename_missing)  # type: ignore[no-untyped-call]
-        return partitions, segments, routes
 
     # ----- the local layers --------------------------------------------------------------
 

@@ -329,11 +329,24 @@ class Runtime(FailureBlame, Compute):
         pending = pending or post()
         table: list[list[float]] = [[] for _ in range(self.transport.world_size)]
         table[self.rank] = [float(v) for v in values]
+        failure: StageFailure | None = None
         for peer, receive in pending.items():
-            message = receive.wait(self.timeout)
+            try:  # after a peer's error, the rest only so that no receive is left posted
+                message = receive.wait(self.timeout if failure is None else NEWS_SECONDS)
+            except PEER_ERRORS:
+                if failure is None:
+                    raise
+                continue
             if message.error is not None:  # see refuse_exchange
-                raise StageFailure(message.error, rank=peer, stage=-1, microbatch=-1, action="")
+                failure = failure or StageFailure(
+                    message.error, rank=peer, stage=-1, microbatch=-1, action=""
+                )
+                continue
             table[peer] = message.values(peer, "values")
+        if failure is not None:
+            with contextlib.suppress(Exception):  # this rank's values leave before it raises
+                self.transport.flush_received(NEWS_SECONDS)
+            raise failure
         self.transport.flush_received(self.timeout)
         return table
 
