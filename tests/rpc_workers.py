@@ -9,14 +9,14 @@ import time
 from typing import Any
 
 import torch
-from gloo_workers import one_rank_cannot_build, one_tuples, transparency
+from gloo_workers import no_memory, one_rank_cannot_build, one_tuples, transparency
 from models import mlp, reference
 from skip_workers import skips
 from torch import Tensor, nn
 
 import asyncpipe
 import asyncpipe.rpc
-from asyncpipe import AsyncPipe, StageFailure
+from asyncpipe import AsyncPipe, LazyModule, StageFailure
 
 mse = nn.functional.mse_loss
 
@@ -177,6 +177,30 @@ def driver_everywhere(rank: int, world: int) -> Any:
             os._exit(1)
         return type(e).__name__, str(e)
     return "built", ""
+
+
+def driver_stage_cannot_build(rank: int, world: int) -> Any:
+    """The stage of rank 1 fails to build (its LazyModule's factory raises): the driver names
+    it, and a pipeline built after it on the same workers trains."""
+    asyncpipe.init(rpc=True)
+    if rank != 0:
+        asyncpipe.rpc.serve()
+        return "served"
+    layers: list[nn.Module | LazyModule] = [nn.Linear(4, 4) for _ in range(world)]
+    layers[1] = LazyModule(no_memory)
+    try:
+        asyncpipe.rpc.RemotePipe(layers, [1] * world, chunks=2, timeout=60)
+        seen = ("built", "")
+    except Exception as e:
+        seen = (type(e).__name__, str(e))
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(world)])
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    plain = float(mse(copy.deepcopy(model)(x), y))
+    pipe = asyncpipe.rpc.RemotePipe(model, [1] * world, chunks=2, timeout=60)
+    loss = pipe.step(x, y, mse)
+    pipe.shutdown()
+    return (*seen, abs(loss - plain))
 
 
 def driver_dies(rank: int, world: int) -> Any:

@@ -9,6 +9,7 @@ from rpc_workers import (
     driver_dies,
     driver_elsewhere,
     driver_everywhere,
+    driver_stage_cannot_build,
     named_workers,
     outbox,
     outbox_peer_dies,
@@ -83,6 +84,15 @@ def test_driver_mode_trains_like_the_plain_model(world: int, schedule: str) -> N
 def test_driver_only_on_rank_zero() -> None:
     results = run_ranks(driver_elsewhere, 2, timeout=120)
     assert "built on rank 0 only (this is rank 1)" in results[1]
+
+
+def test_a_stage_that_fails_to_build_is_named_by_the_driver_which_goes_on() -> None:
+    # The other workers' stages hear of it at once (they waited until the timeout before),
+    # and the driver names the rank where it began; the workers keep serving.
+    kind, text, loss = run_ranks(driver_stage_cannot_build, 3, timeout=180)[0]
+    assert kind == "ValueError", (kind, text)
+    assert text.startswith("building the stage of rank 1 failed: RuntimeError: no memory"), text
+    assert loss < 1e-6
 
 
 def test_workers_stop_serving_when_the_driver_dies() -> None:

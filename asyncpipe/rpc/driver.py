@@ -144,7 +144,8 @@ class RemotePipe:
                     f"call asyncpipe.rpc.serve() and stay in it until the driver shuts down "
                     f"(RemotePipe is built on rank 0 only)"
                 )
-            rank, outcome = failed[0]
+            own = [(r, o) for r, o in failed if o[2] == r]  # not a peer's failure relayed
+            rank, outcome = (own or failed)[0]
             raise ValueError(f"building the stage of rank {rank} failed: {outcome[1]}")
         self.pipe = remote.Stages.get(self.name)
         self.stages = world

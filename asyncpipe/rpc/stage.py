@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..failure import StageFailure
 from ..pipe import AsyncPipe
@@ -99,8 +100,11 @@ def build(
         made = optimizer(pipe.parameters()) if optimizer is not None else None
         Stages.add(name, pipe, made)
         return ("ok", pipe.stage)
-    except Exception as e:
-        return ("error", f"{type(e).__name__}: {e}", -1, -1, -1, "constructor")
+    except StageFailure as e:  # another rank's stage failed (its own outcome names it)
+        return ("error", f"{type(e).__name__}: {e}", e.rank, e.stage, -1, "constructor")
+    except Exception as e:  # this rank's own
+        me = dist.get_rank() if dist.is_initialized() else -1
+        return ("error", f"{type(e).__name__}: {e}", me, me, -1, "constructor")
 
 
 class Serving:
