@@ -422,7 +422,8 @@ def agree(
     value): one small exchange of a checksum per field, before any step. Ranks that disagree
     would otherwise run different plans (a wrong loss without an error, or a wait until the
     timeout that blames a peer). Raises ValueError naming each field that differs and the
-    ranks it differs on."""
+    ranks it differs on, or a StageFailure naming the rank whose stage failed to build (it
+    sent its error instead, see :func:`~asyncpipe.runtime.refuse_exchange`)."""
     names = list(fields)
     mine = [float(zlib.crc32(repr(fields[name]).encode())) for name in names]
     try:
