@@ -651,8 +651,8 @@ def one_rank_cannot_build(rank: int, world: int, where: str, transport: str = "p
     """Build a pipeline whose constructor fails on rank 1 only: ``"arguments"``, a bad chunks
     there (rejected before connecting); ``"build"``, its LazyModule's factory raises (after
     connecting); ``"build-all"``, every rank's does. Then build a good pipeline in the same
-    processes and run a step. Returns (error type, text, the error's rank or -1, the good
-    step's loss minus the plain model's)."""
+    processes and run a step. ``transport`` as :func:`_transport` takes it. Returns (error
+    type, text, the error's rank or -1, the good step's loss minus the plain model's)."""
     layers: list[nn.Module | LazyModule] = [nn.Linear(4, 4) for _ in range(world)]
     if where == "build":
         layers[1] = LazyModule(no_memory)
@@ -660,7 +660,8 @@ def one_rank_cannot_build(rank: int, world: int, where: str, transport: str = "p
         layers = [LazyModule(no_memory) for _ in range(world)]
     chunks = 0 if where == "arguments" and rank == 1 else 2
     try:
-        AsyncPipe(layers, [1] * world, chunks=chunks, timeout=60, transport=transport)
+        pipe = _transport(transport, "cpu")
+        AsyncPipe(layers, [1] * world, chunks=chunks, timeout=60, transport=pipe)
         seen: tuple[str, str, int] = ("no error", "", -1)
     except StageFailure as e:
         seen = ("StageFailure", str(e), e.rank)
@@ -670,5 +671,7 @@ def one_rank_cannot_build(rank: int, world: int, where: str, transport: str = "p
     model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(world)])
     x, y = torch.randn(4, 4), torch.randn(4, 4)
     plain = float(mse(copy.deepcopy(model)(x), y))
-    pipe = AsyncPipe(model, [1] * world, chunks=2, timeout=60, transport=transport)
-    return (*seen, abs(pipe.step(x, y, mse) - plain))
+    good = AsyncPipe(
+        model, [1] * world, chunks=2, timeout=60, transport=_transport(transport, "cpu")
+    )
+    return (*seen, abs(good.step(x, y, mse) - plain))

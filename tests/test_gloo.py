@@ -143,6 +143,8 @@ def test_failure_reaches_every_rank(where: str, action: str) -> None:
         ("arguments", "shm"),
         ("build", "shm"),
         ("build-all", "shm"),
+        ("build", "p2p-ordered"),
+        ("build-all", "p2p-ordered"),
     ],
 )
 def test_a_constructor_that_fails_on_one_rank_stops_the_others_at_once(
