@@ -316,17 +316,8 @@ class Runtime(FailureBlame, Compute):
     def exchange(self, values: Sequence[float]) -> list[list[float]]:
         """Every rank's ``values`` (index = rank): one message to and from every other rank.
         Call it on every rank, between steps."""
-        peers = [r for r in range(self.transport.world_size) if r != self.rank]
-        early = self.transport.early_receives  # else post after sending, in the peers' order
-
-        def post() -> dict[int, PendingRecv]:
-            return {peer: self.transport.recv(peer, EXCHANGE_CHANNEL) for peer in peers}
-
-        pending = post() if early else {}
         mine = torch.tensor(list(values), dtype=torch.float64, device=self.device)
-        for peer in peers:
-            self.transport.send(peer, EXCHANGE_CHANNEL, Message(0, 0, (mine,)))
-        pending = pending or post()
+        pending = _exchange_round(self.transport, Message(0, 0, (mine,)))
         table: list[list[float]] = [[] for _ in range(self.transport.world_size)]
         table[self.rank] = [float(v) for v in values]
         failure: StageFailure | None = None
@@ -458,6 +449,21 @@ class Runtime(FailureBlame, Compute):
         self.transport.send(peer, channel, Message(i, work.microbatches, grads))
 
 
+def _exchange_round(transport: Transport, message: Message) -> dict[int, PendingRecv]:
+    """Send ``message`` to every other rank on the exchange channel; the receives of theirs,
+    by rank. Posted ahead where the transport allows it, else after sending, in the order the
+    peers send (NCCL)."""
+    peers = [r for r in range(transport.world_size) if r != transport.rank]
+
+    def post() -> dict[int, PendingRecv]:
+        return {peer: transport.recv(peer, EXCHANGE_CHANNEL) for peer in peers}
+
+    pending = post() if transport.early_receives else {}
+    for peer in peers:
+        transport.send(peer, EXCHANGE_CHANNEL, message)
+    return pending or post()
+
+
 def refuse_exchange(transport: Transport, text: str, timeout: float) -> None:
     """Take part in the next :meth:`Runtime.exchange` with ``text`` as an error in place of
     this rank's values: the other ranks raise it as a StageFailure naming this rank instead of
@@ -465,17 +471,11 @@ def refuse_exchange(transport: Transport, text: str, timeout: float) -> None:
     their own errors where they failed as well), ``timeout`` seconds at most, so that the
     channel holds nothing stale for a later exchange. Never raises: the caller raises its own
     error after."""
-    peers = [r for r in range(transport.world_size) if r != transport.rank]
-    notice = Message(0, 0, (), error=text)
     deadline = time.monotonic() + timeout
-    pending: list[PendingRecv] = []
+    pending: dict[int, PendingRecv] = {}
     with contextlib.suppress(Exception):  # a peer that is gone cannot be told
-        if transport.early_receives:  # else post after sending, in the peers' order
-            pending = [transport.recv(peer, EXCHANGE_CHANNEL) for peer in peers]
-        for peer in peers:
-            transport.send(peer, EXCHANGE_CHANNEL, notice)
-        pending = pending or [transport.recv(peer, EXCHANGE_CHANNEL) for peer in peers]
-    for receive in pending:
+        pending = _exchange_round(transport, Message(0, 0, (), error=text))
+    for receive in pending.values():
         with contextlib.suppress(Exception):
             receive.wait(max(deadline - time.monotonic(), 0.001))
     with contextlib.suppress(Exception):
