@@ -190,6 +190,14 @@ REFUSAL_SECONDS = 10.0
 build AsyncPipe)."""
 
 
+def refusal_seconds(timeout: object) -> float:
+    """How long a failed constructor waits for the others to hear of it: the pipeline's
+    ``timeout`` (which may be the argument it rejected), at most :data:`REFUSAL_SECONDS`."""
+    if isinstance(timeout, (int, float)) and 0 < timeout < REFUSAL_SECONDS:
+        return float(timeout)
+    return REFUSAL_SECONDS
+
+
 def refuse(transport: object, device: object, timeout: object) -> None:
     """Tell the other ranks that this rank's constructor rejected its arguments (the caller
     raises its error after), in the collective where they meet it first
@@ -201,14 +209,11 @@ def refuse(transport: object, device: object, timeout: object) -> None:
     later pipeline where every rank failed)."""
     if not isinstance(transport, str) or not dist.is_initialized():
         return
-    seconds = REFUSAL_SECONDS
-    if isinstance(timeout, (int, float)) and 0 < timeout < seconds:
-        seconds = float(timeout)
     with contextlib.suppress(Exception):
         where = torch.device("cpu")
         if dist.get_backend() == "nccl":
             where = torch.device("cuda", torch.cuda.current_device())
-        same_transport(None, where, seconds)
+        same_transport(None, where, refusal_seconds(timeout))
 
 
 def connect(

@@ -26,7 +26,7 @@ from .lazy import LazyModule
 from .manual import ManualBackward
 from .microbatch import Tensors, as_tensors, scatter
 from .names import layer_names, rename_loaded, rename_missing, rename_saved
-from .parallel import REFUSAL_SECONDS, GradientAverager, connect, refuse
+from .parallel import GradientAverager, connect, refusal_seconds, refuse
 from .partition import Layer, Partition, Segment, partition
 from .precision import LossScaler, clip_norm
 from .runtime import Runtime, refuse_exchange
@@ -212,8 +212,7 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
         try:  # this rank's own: a failure here reaches the others in agree() below
             self._build_stage(module, layers, deferred_batch_norm)
         except Exception as e:
-            seconds = min(self.timeout, REFUSAL_SECONDS)
-            refuse_exchange(transport, f"{type(e).__name__}: {e}", seconds)
+            refuse_exchange(transport, f"{type(e).__name__}: {e}", refusal_seconds(self.timeout))
             raise
         owners = [seg.stage for seg in segments]
         plan = plan_factory(schedule, owners, transport.world_size, virtual_stages)
