@@ -25,6 +25,14 @@ it as often as the others, so the count (with torchrun's restart count) names ea
 keys alike on every rank."""
 
 
+def collective_device() -> torch.device:
+    """Where the default process group's collectives take their tensors: the current CUDA
+    device over NCCL, else host memory."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def init(
     backend: str | None = None,
     timeout: float | datetime.timedelta = 300.0,

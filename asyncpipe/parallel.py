@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .failure import StageFailure
-from .group import GroupRef
+from .group import GroupRef, collective_device
 from .transport import P2PTransport, RPCTransport, ShmTransport, Transport, TransportTimeout
 from .transport.rpc import worker_names
 
@@ -210,10 +210,7 @@ def refuse(transport: object, device: object, timeout: object) -> None:
     if not isinstance(transport, str) or not dist.is_initialized():
         return
     with contextlib.suppress(Exception):
-        where = torch.device("cpu")
-        if dist.get_backend() == "nccl":
-            where = torch.device("cuda", torch.cuda.current_device())
-        same_transport(None, where, refusal_seconds(timeout))
+        same_transport(None, collective_device(), refusal_seconds(timeout))
 
 
 def connect(

@@ -146,7 +146,7 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
         super().__init__()
         if isinstance(balance, str):
             balance = auto_balance(
-                balance, module, sample, transport, virtual_stages, data_parallel_size
+                balance, module, sample, transport, virtual_stages, data_parallel_size, timeout
             )
         try:
             options = option_problems(

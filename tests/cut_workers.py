@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import time
 from typing import Any
 
 import torch
@@ -10,7 +11,7 @@ from cut_models import ManyCuts, MaskResidual, TiedLM, lm_loss
 from models import reference
 from torch import nn
 
-from asyncpipe import AsyncPipe, sequentialize
+from asyncpipe import AsyncPipe, StageFailure, sequentialize
 
 mse = nn.functional.mse_loss
 
@@ -130,6 +131,55 @@ def auto(rank: int, world: int) -> Any:
     pipe = AsyncPipe(seq, "auto", chunks=4, sample=x[:2], timeout=30)
     loss = pipe.step(x if pipe.is_first_stage else None, y if pipe.is_last_stage else None, mse)
     return pipe.balance, abs(loss - want_loss), _worst(pipe, many, grads)
+
+
+def auto_refused(rank: int, world: int, who: int) -> Any:
+    """balance='auto' where rank ``who`` passes no sample, then a good balance='auto' pipeline
+    in the same processes. Returns (error type, text, the error's rank or -1, the good step's
+    loss minus the plain model's)."""
+    torch.manual_seed(0)
+    many = ManyCuts()
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    seq = sequentialize(many, x[:2])
+    want_loss, _ = reference(many, x, y, 4, mse)
+    seen: tuple[str, str, int] = ("no error", "", -1)
+    try:
+        AsyncPipe(seq, "auto", chunks=4, sample=None if rank == who else x[:2], timeout=60)
+    except StageFailure as e:
+        seen = ("StageFailure", str(e), e.rank)
+    except Exception as e:
+        seen = (type(e).__name__, str(e), -1)
+    pipe = AsyncPipe(seq, "auto", chunks=4, sample=x[:2], timeout=60)
+    loss = pipe.step(x if pipe.is_first_stage else None, y if pipe.is_last_stage else None, mse)
+    return (*seen, abs(loss - want_loss))
+
+
+def auto_alone(rank: int, world: int) -> Any:
+    """balance='auto' on rank 0 only (rank 1 builds no pipeline): rank 0's error."""
+    if rank != 0:
+        time.sleep(8)  # alive past rank 0's timeout
+        return None
+    seq = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    try:
+        AsyncPipe(seq, "auto", sample=torch.randn(2, 4), timeout=2)
+    except Exception as e:
+        return type(e).__name__, str(e)
+    return "no error", ""
+
+
+class _Refuses(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("this layer takes no input: naïve")
+
+
+def auto_profile_fails(rank: int, world: int) -> Any:
+    """balance='auto' whose profiling on rank 0 fails: every rank's error."""
+    seq = nn.Sequential(nn.Linear(4, 4), _Refuses())
+    try:
+        AsyncPipe(seq, "auto", sample=torch.randn(2, 4), timeout=30)
+    except Exception as e:
+        return type(e).__name__, str(e)
+    return "no error", ""
 
 
 def auto_replicas(rank: int, world: int) -> Any:

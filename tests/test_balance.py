@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from cut_workers import auto, auto_replicas
+from cut_workers import auto, auto_alone, auto_profile_fails, auto_refused, auto_replicas
 from spawn import run_ranks
 from torch import Tensor, nn
 
@@ -196,6 +196,34 @@ def test_auto_balance_gives_every_rank_the_same_answer() -> None:
     assert results[0][0] == results[1][0] and sum(results[0][0]) == 8
     for _, loss_error, grad_error in results:
         assert loss_error < 1e-5 and grad_error < 1e-5
+
+
+@pytest.mark.parametrize("who", [0, 1])
+def test_auto_balance_refused_on_one_rank_stops_the_other_at_once(who: int) -> None:
+    # Before, the rank without a sample raised alone and the other waited for it in the
+    # broadcast of rank 0's balance (the process group's timeout, 30 min by default).
+    results = run_ranks(auto_refused, 2, who, timeout=120)
+    for rank, (kind, text, culprit, loss_error) in enumerate(results):
+        assert loss_error < 1e-5, (rank, loss_error)
+        if rank == who:
+            assert kind == "ValueError" and "pass sample=" in text, text
+        else:
+            assert kind == "StageFailure" and culprit == who, (kind, text)
+            assert f"rank {who} rejected its arguments to it" in text, text
+            assert f"rank {rank} stops too" in text and "waited" not in text, text
+
+
+def test_auto_balance_without_the_others_times_out_naming_what_it_waited_for() -> None:
+    kind, text = run_ranks(auto_alone, 2, timeout=120)[0]
+    assert kind == "TransportTimeout", (kind, text)
+    assert "is AsyncPipe built with balance='auto' on every rank?" in text, text
+    assert "at most 2.0 s" in text, text
+
+
+def test_auto_balance_whose_profiling_fails_raises_rank_0s_error_everywhere() -> None:
+    for kind, text in run_ranks(auto_profile_fails, 2, timeout=120):
+        assert kind == "ValueError", (kind, text)
+        assert "failed on rank 0: RuntimeError: this layer takes no input: naïve" in text, text
 
 
 @pytest.mark.slow

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import datetime
+
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ..failure import StageFailure
+from ..group import collective_device
 from ..lazy import LazyModule
-from ..transport import Transport
+from ..transport import Transport, TransportTimeout
 
 __all__: list[str] = []
 
@@ -18,13 +23,18 @@ def auto_balance(
     transport: object,
     virtual_stages: int,
     data_parallel_size: int = 1,
+    timeout: object = 300.0,
 ) -> list[int]:
     """The balance ``by_time`` finds on rank 0 of the default process group, on every rank:
     one entry per pipeline rank (the world's ranks over ``data_parallel_size`` replicas) times
     ``virtual_stages``.
 
     Raises ValueError (listing every problem) when it cannot: another string than "auto", no
-    sample, LazyModules, or no torch.distributed to share one answer.
+    sample, LazyModules, or no torch.distributed to share one answer. Every rank first tells
+    the others whether it can take part (one small collective): where some rank cannot, that
+    rank raises its ValueError and the others a StageFailure naming it, at once, instead of
+    waiting for it until ``timeout``. Each wait for the others (that check, then rank 0's
+    answer, which includes its profiling) lasts ``timeout`` seconds at most.
     """
     problems = []
     if balance != "auto":
@@ -44,26 +54,96 @@ def auto_balance(
             "that is not built on the process group (in-process), call "
             "asyncpipe.balance.by_time once and pass the list to every rank"
         )
+        raise ValueError("; ".join(problems))
+    seconds = float(timeout) if isinstance(timeout, (int, float)) and timeout > 0 else 300.0
+    refused = _refusals(bool(problems), seconds)
     if problems:
         raise ValueError("; ".join(problems))
+    if refused:
+        ranks = ", ".join(map(str, refused))
+        raise StageFailure(
+            f"balance='auto' cannot run: rank{'s' if len(refused) > 1 else ''} {ranks} "
+            f"rejected {'their' if len(refused) > 1 else 'its'} arguments to it (see the error "
+            f"there for what is wrong and how to fix it); rank {dist.get_rank()} stops too, "
+            f"before any message of the pipeline",
+            rank=refused[0],
+            stage=-1,
+            microbatch=-1,
+            action="",
+        )
     assert sample is not None
     if isinstance(transport, Transport):
         world = transport.world_size
     else:
         world = max(dist.get_world_size() // max(int(data_parallel_size), 1), 1)
-    answer: list[object] = [None]
+    answer: list[int] | str = ""
     if dist.get_rank() == 0:
         from . import by_time
 
         try:
-            answer[0] = by_time(layers, sample, world * virtual_stages)
+            answer = by_time(layers, sample, world * virtual_stages)
         except Exception as e:  # every rank must learn of it, not only rank 0
-            answer[0] = f"{type(e).__name__}: {e}"
-    dist.broadcast_object_list(answer, src=0)
-    if isinstance(answer[0], str):
-        raise ValueError(f"balance='auto' failed on rank 0: {answer[0]}")
-    found: list[int] = list(answer[0])  # type: ignore[call-overload]
-    return found
+            answer = f"{type(e).__name__}: {e}"
+    answer = _share(answer, seconds)
+    if isinstance(answer, str):
+        raise ValueError(f"balance='auto' failed on rank 0: {answer}")
+    return answer
+
+
+_WORDS = 1024
+"""int64 words of rank 0's answer as it travels: its kind, its length, then the balance's
+entries or an error's text (longer text is cut)."""
+
+
+def _wait(work: dist.Work | None, seconds: float, what: str) -> None:
+    try:
+        assert work is not None
+        work.wait(datetime.timedelta(seconds=seconds))
+    except RuntimeError as e:
+        raise TransportTimeout(
+            f"rank {dist.get_rank()} waited for {what} (at most {seconds:.1f} s, the "
+            f"pipeline's timeout): {str(e).splitlines()[0]}"
+        ) from e
+
+
+def _refusals(refuses: bool, seconds: float) -> list[int]:
+    """The ranks that cannot take part in balance='auto' (this one if ``refuses``)."""
+    mine = torch.tensor([int(refuses)], dtype=torch.int64, device=collective_device())
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    _wait(
+        dist.all_gather(everyone, mine, async_op=True),
+        seconds,
+        "the other ranks to reach balance='auto' in AsyncPipe's constructor: is AsyncPipe "
+        "built with balance='auto' on every rank?",
+    )
+    return [rank for rank, flag in enumerate(everyone) if int(flag.item())]
+
+
+def _share(answer: list[int] | str, seconds: float) -> list[int] | str:
+    """Rank 0's ``answer`` (a balance, or the text of its error) on every rank."""
+    words = torch.zeros(_WORDS, dtype=torch.int64)
+    if dist.get_rank() == 0:
+        if isinstance(answer, str):
+            text = answer.encode("utf-8")[: 8 * (_WORDS - 2)]
+            words[0], words[1] = 1, len(text)
+            words[2:].view(torch.uint8)[: len(text)] = torch.frombuffer(
+                bytearray(text), dtype=torch.uint8
+            )
+        else:
+            words[0], words[1] = 0, len(answer)
+            words[2 : 2 + len(answer)] = torch.tensor(answer, dtype=torch.int64)
+    words = words.to(collective_device())
+    _wait(
+        dist.broadcast(words, src=0, async_op=True),
+        seconds,
+        "rank 0's balance (balance='auto' times every layer there, within the pipeline's "
+        "timeout: raise timeout= if that takes longer)",
+    )
+    words = words.cpu()
+    kind, length = int(words[0]), int(words[1])
+    if kind == 1:
+        return bytes(words[2:].view(torch.uint8)[:length].tolist()).decode("utf-8", "replace")
+    return [int(v) for v in words[2 : 2 + length]]
 
 
 def _p2p(transport: Transport) -> bool:
