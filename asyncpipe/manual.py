@@ -96,7 +96,10 @@ class ManualBackward:
             prepare: Callable[[int | None], Work],
             phase: Callable[[Action], bool] | None = None,
             resume: Work | None = None,
+            averages: bool = False,
         ) -> Work: ...
+
+        def _average(self) -> None: ...
 
         def _traced(
             self, work: Work | None, loss: float | None, window: str | None = None
@@ -130,7 +133,7 @@ class ManualBackward:
             )
         train = self.training and torch.is_grad_enabled()
         prepare = self._prepare(input, None, None, train=train)
-        work = self._run(prepare, _is_forward if train else None)
+        work = self._run(prepare, _is_forward if train else None, averages=train)
         last = self._last_segment if self.is_last_stage else max(self._runtime.segments)
         outputs = [work.outputs[(last, i)] for i in range(work.microbatches)]
         single = (last, 0) in work.tuples  # a tuple of one tensor stays one
@@ -156,9 +159,9 @@ class ManualBackward:
             )
         work.output_grads = output_grads
         before = self._shared.snapshot()
-        self._run(lambda m: work, _is_backward, resume=work)
+        self._run(lambda m: work, _is_backward, resume=work, averages=True)
         if self._averager is not None:
-            self._averager.finish()
+            self._average()
         self._shared.reduce(before)
         self._traced(work, None)
 

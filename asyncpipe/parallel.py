@@ -76,8 +76,19 @@ def groups(
     return pipeline, data_parallel, second
 
 
+_NEWS_WORDS = 64
+"""int64 words of a rank's news to its data-parallel group at the end of a step: outcome, stop
+asked, the failed stage, micro-batch and pipeline rank, then the failure's text (cut)."""
+
+
 class GradientAverager:
-    """Averages the gradients of ``parameters`` over ``group`` (``size`` ranks) in buckets."""
+    """Averages the gradients of ``parameters`` over ``group`` (``size`` ranks, one per
+    replica, ``replica`` this one's index) in buckets, and tells the replicas how each one's
+    step ended: a replica that failed (every rank of it raises) takes part in the averaging with
+    that news, so the others raise a StageFailure naming it instead of waiting for it.
+
+    ``timeout``: the pipeline's. A rank waits twice that for the other replicas at the end of a
+    step (a replica may take its whole timeout to find that a stage of it is stuck)."""
 
     def __init__(
         self,
@@ -85,10 +96,14 @@ class GradientAverager:
         group: dist.ProcessGroup,
         size: int,
         device: torch.device,
+        timeout: float = 300.0,
+        replica: int = 0,
+        stage: int = 0,
         bucket_bytes: int = BUCKET_BYTES,
     ) -> None:
         self._group = GroupRef(group)  # torch.distributed owns it (see GroupRef)
         self.size, self.device = size, device
+        self.timeout, self.replica, self.stage = timeout, replica, stage
         self.buckets: list[list[nn.Parameter]] = []
         current: list[nn.Parameter] = []
         used = 0
@@ -103,23 +118,88 @@ class GradientAverager:
         if current:
             self.buckets.append(current)
         self._running: list[tuple[list[nn.Parameter], Tensor, dist.Work | None]] = []
+        self.stop_asked = False
+        """Whether any replica's ranks had asked to stop when the last step ended."""
 
-    def start(self) -> None:
-        """Launch the all-reduce of every bucket (non-blocking)."""
+    def start(self, zeros: bool = False) -> None:
+        """Launch the all-reduce of every bucket (non-blocking); ``zeros``: of zeros in place
+        of the gradients (a failed step's part, whose gradients mean nothing)."""
         for bucket in self.buckets:
-            for p in bucket:
-                if p.grad is None:  # unused here: its copies may have gradients
-                    p.grad = torch.zeros_like(p)
-            flat = torch.cat([p.grad.reshape(-1) for p in bucket if p.grad is not None])
+            if zeros:
+                size = sum(p.numel() for p in bucket)
+                flat = torch.zeros(size, dtype=bucket[0].dtype, device=bucket[0].device)
+            else:
+                for p in bucket:
+                    if p.grad is None:  # unused here: its copies may have gradients
+                        p.grad = torch.zeros_like(p)
+                flat = torch.cat([p.grad.reshape(-1) for p in bucket if p.grad is not None])
             work = dist.all_reduce(flat, group=self._group(), async_op=True)
             self._running.append((bucket, flat, work))
 
-    def finish(self) -> None:
-        """Wait for the all-reduces and write the averages back into the gradients."""
+    def _wait(self, work: dist.Work | None, seconds: float) -> None:
+        if work is None:
+            return
+        try:
+            work.wait(datetime.timedelta(seconds=seconds))
+        except RuntimeError as e:
+            raise StageFailure(
+                f"stage {self.stage} of replica {self.replica} waited for the other replicas "
+                f"of its stage to average the step's gradients (at most {seconds:.1f} s, twice "
+                f"the pipeline's timeout) and none came or one was lost: a replica is stuck or "
+                f"gone, or its ranks did not all call step() ({str(e).splitlines()[0]})",
+                rank=-1,
+                stage=self.stage,
+                microbatch=-1,
+                action="",
+            ) from e
+
+    def _news(self, failure: BaseException | None, stop: bool, seconds: float) -> list[Tensor]:
+        """Every replica's news of its step (see :data:`_NEWS_WORDS`), by replica."""
+        words = torch.zeros(_NEWS_WORDS, dtype=torch.int64)
+        words[1] = int(stop)
+        if failure is not None:
+            text = (str(failure) or type(failure).__name__).encode("utf-8")[: 8 * (_NEWS_WORDS - 6)]
+            words[0] = 1
+            if isinstance(failure, StageFailure):
+                words[2], words[3], words[4] = failure.stage, failure.microbatch, failure.rank
+            else:
+                words[2], words[3], words[4] = -1, -1, -1
+            words[5] = len(text)
+            view = words[6:].view(torch.uint8)
+            view[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+        group = self._group()
+        where = self.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        words = words.to(where)
+        everyone = [torch.zeros_like(words) for _ in range(self.size)]
+        self._wait(dist.all_gather(everyone, words, group=group, async_op=True), seconds)
+        return [w.cpu() for w in everyone]
+
+    def finish(self, stop: bool = False) -> None:
+        """Wait for the all-reduces, learn how every replica's step ended and, where all went
+        well, write the averages back into the gradients; else raise a StageFailure naming the
+        replica that failed. ``stop``: this replica's ranks asked to stop (see
+        :attr:`stop_asked`)."""
         running, self._running = self._running, []
-        for bucket, flat, work in running:
-            if work is not None:
-                work.wait()
+        seconds = 2 * self.timeout
+        for _, _, work in running:
+            self._wait(work, seconds)
+        news = self._news(None, stop, seconds)
+        self.stop_asked = any(bool(w[1]) for w in news)
+        failed = [(replica, w) for replica, w in enumerate(news) if w[0]]
+        if failed:
+            replica, w = failed[0]
+            stage, microbatch, rank, length = (int(v) for v in w[2:6])
+            text = bytes(w[6:].view(torch.uint8)[:length].tolist()).decode("utf-8", "replace")
+            raise StageFailure(
+                f"replica {replica} of the pipeline failed in this step ({text}); stage "
+                f"{self.stage} of replica {self.replica} stops too: the replicas' gradients of "
+                f"this step cannot be averaged",
+                rank=rank,
+                stage=stage,
+                microbatch=microbatch,
+                action="",
+            )
+        for bucket, flat, _ in running:
             flat.div_(self.size)
             offset = 0
             for p in bucket:
@@ -127,6 +207,20 @@ class GradientAverager:
                 n = p.numel()
                 p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
                 offset += n
+
+    def fail(self, failure: BaseException) -> None:
+        """This replica's step failed (every rank of it raises): take part in the averaging that
+        the other replicas wait in, with zeros for gradients and the news of ``failure``, so
+        they raise a StageFailure naming it. Waits the pipeline's timeout at most and never
+        raises: ``failure`` is what the caller raises."""
+        with contextlib.suppress(Exception):
+            if not self._running:
+                self.start(zeros=True)
+            running, self._running = self._running, []
+            for _, _, work in running:
+                self._wait(work, self.timeout)
+            self._news(failure, False, self.timeout)
+        self._running = []
 
     def reduce_max(self, value: float) -> float:
         """The largest ``value`` over the group (e.g. an overflow flag)."""

@@ -244,7 +244,13 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
         self.skip_routes = routes
         if data_parallel_group is not None:
             self._averager = GradientAverager(
-                list(self.parameters()), data_parallel_group, self.data_parallel_size, self.device
+                list(self.parameters()),
+                data_parallel_group,
+                self.data_parallel_size,
+                self.device,
+                timeout=self.timeout,
+                replica=self.data_parallel_rank,
+                stage=self.stage,
             )
             self._runtime.after_backward = self._averager.start
         self._start_trace(trace, trace_every, schedule, virtual_stages, transport)
@@ -358,7 +364,12 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
         prepare: Callable[[int | None], Work],
         phase: Callable[[Action], bool] | None = None,
         resume: Work | None = None,
+        averages: bool = False,
     ) -> Work:
+        """Run this rank's actions of a step (or of its ``phase``). ``averages``: the step's
+        gradients are averaged over the replicas afterwards (in this call's caller or a later
+        phase's), so a failure here must reach the other replicas (see
+        :meth:`GradientAverager.fail`)."""
         self._guard()
         try:
             if self._recorder is not None:
@@ -368,17 +379,38 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
                 commit_all(self.layers)
         except StageFailure as e:
             self._broken = e
+            self._tell_replicas(e, averages)
             raise
-        except MismatchedBatch:  # the step ended cleanly on every rank: nothing is in flight
+        except MismatchedBatch as e:  # the step ended cleanly on every rank: nothing is in flight
+            self._tell_replicas(e, averages)
             raise
         except BaseException as e:
             what = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__  # KeyboardInterrupt
             self._broken = StageFailure(what, rank=self.stage, stage=-1, microbatch=-1, action="")
+            if isinstance(e, Exception):
+                self._tell_replicas(self._broken, averages)
             raise
         self.last_step = report
         if self._recorder is not None:
             self._recorder.add(report)
         return work
+
+    def _tell_replicas(self, failure: BaseException, averages: bool) -> None:
+        """A step that the replicas would average failed here (on every rank of this replica):
+        let the other replicas, which wait for its gradients, raise instead."""
+        if averages and self._averager is not None:
+            self._averager.fail(failure)
+
+    def _average(self) -> None:
+        """Average the step's gradients over the replicas and learn how their steps ended:
+        raise a StageFailure if one failed; stop when any replica's ranks asked to."""
+        assert self._averager is not None
+        try:
+            self._averager.finish(self._runtime.stop_agreed)
+        except StageFailure as e:
+            self._broken = e
+            raise
+        self._runtime.stop_agreed = self._averager.stop_asked
 
     def close(self) -> None:
         """Drain the pipeline (see :meth:`flush`) and finish the trace (rank 0 writes the last
@@ -498,9 +530,9 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
                 "step(), which runs a forward and backward of its own"
             )
         before = self._shared.snapshot()
-        work = self._run(self._prepare(input, target, loss_fn, train=True))
+        work = self._run(self._prepare(input, target, loss_fn, train=True), averages=True)
         if self._averager is not None:
-            self._averager.finish()
+            self._average()
         self._shared.reduce(before)
         if self.scaler is not None:
             others = self._averager.reduce_max if self._averager is not None else None

@@ -137,3 +137,42 @@ def saved_replicas(rank: int, world: int, directory: str) -> dict[str, Any]:
     step = checkpoint.load(fresh, None, directory).step
     error = max(float((fresh.state_dict()[k] - v).abs().max()) for k, v in state.items())
     return {"outcomes": outcomes, "step": step, "error": error}
+
+
+def replica_fails(rank: int, world: int, mode: str) -> tuple[str, str, int]:
+    """2 stages x 2 replicas where replica 1's input is too narrow, so its stage 0 fails in
+    the forward: in ``step()`` (``mode="step"``) or in ``pipe(x)`` (``"manual"``, fairscale's
+    style, with ``back_helper``). The failed replica's ranks stay alive a while after their
+    error (as a script that catches it would), so that the others cannot learn it from closed
+    connections. Returns (error type, text, the error's stage) per rank."""
+    import time
+
+    pipe = AsyncPipe(mlp(4, seed=31), [2, 2], chunks=2, data_parallel_size=2, timeout=20)
+    torch.manual_seed(pipe.data_parallel_rank)
+    x = torch.randn(8, 8 if pipe.data_parallel_rank == 0 else 5)
+    y = torch.randn(8, 8)
+    seen: tuple[str, str, int] = ("no error", "", -1)
+    try:
+        if mode == "step":
+            pipe.step(x if pipe.is_first_stage else None, y if pipe.is_last_stage else None, mse)
+        else:
+            out = pipe(x if pipe.is_first_stage else None)
+            if pipe.is_last_stage:
+                mse(out, y).backward()
+            else:
+                pipe.back_helper(out)
+    except Exception as e:
+        seen = (type(e).__name__, str(e), getattr(e, "stage", -1))
+    if pipe.data_parallel_rank == 1:
+        time.sleep(6)
+    return seen
+
+
+def replica_stops(rank: int, world: int) -> bool:
+    """2 stages x 2 replicas where only rank 3 (replica 1) asks to stop: every rank agrees."""
+    pipe = AsyncPipe(mlp(4, seed=31), [2, 2], chunks=2, data_parallel_size=2, timeout=20)
+    if rank == 3:
+        pipe.request_stop()
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    pipe.step(x if pipe.is_first_stage else None, y if pipe.is_last_stage else None, mse)
+    return pipe.stop_agreed

@@ -6,7 +6,14 @@ import os
 from pathlib import Path
 
 import pytest
-from parallel_workers import bf16_replicas, groups_released, saved_replicas, two_by_two
+from parallel_workers import (
+    bf16_replicas,
+    groups_released,
+    replica_fails,
+    replica_stops,
+    saved_replicas,
+    two_by_two,
+)
 from spawn import run_ranks
 
 pytestmark = pytest.mark.slow
@@ -24,6 +31,26 @@ def test_two_stages_by_two_replicas_match_the_plain_model(schedule: str, transpo
     ]  # fmt: skip
     for r in results:
         assert r["grad_error"] < 1e-5 and r["norm_error"] < 1e-5, r
+
+
+@pytest.mark.parametrize("mode", ["step", "manual"])
+def test_a_failed_replica_stops_the_other_replicas(mode: str) -> None:
+    # The healthy replica waited for the failed one's gradients in the all-reduce until the
+    # process group's timeout (30 minutes by default) or until the failed processes exited.
+    results = run_ranks(replica_fails, 4, mode, timeout=180)
+    for rank, (kind, text, stage) in enumerate(results):
+        assert kind == "StageFailure" and stage == 0, (rank, kind, text)
+        if rank < 2:  # replica 0: told by replica 1
+            assert text.startswith("replica 1 of the pipeline failed in this step (") and (
+                f"stage {rank} of replica 0 stops too" in text
+            ), text
+            assert "mat1 and mat2 shapes cannot be multiplied" in text, text
+        else:
+            assert "mat1 and mat2 shapes cannot be multiplied" in text, text
+
+
+def test_a_stop_asked_on_one_replica_is_agreed_by_every_rank() -> None:
+    assert run_ranks(replica_stops, 4, timeout=180) == [True] * 4
 
 
 def test_bfloat16_replicas_train() -> None:
