@@ -136,7 +136,9 @@ class GradientAverager:
             work = dist.all_reduce(flat, group=self._group(), async_op=True)
             self._running.append((bucket, flat, work))
 
-    def _wait(self, work: dist.Work | None, seconds: float) -> None:
+    def _wait(
+        self, work: dist.Work | None, seconds: float, what: str = "average the step's gradients"
+    ) -> None:
         if work is None:
             return
         try:
@@ -144,7 +146,7 @@ class GradientAverager:
         except RuntimeError as e:
             raise StageFailure(
                 f"stage {self.stage} of replica {self.replica} waited for the other replicas "
-                f"of its stage to average the step's gradients (at most {seconds:.1f} s, twice "
+                f"of its stage to {what} (at most {seconds:.1f} s, twice "
                 f"the pipeline's timeout) and none came or one was lost: a replica is stuck or "
                 f"gone, or its ranks did not all call step() ({str(e).splitlines()[0]})",
                 rank=-1,
@@ -225,7 +227,8 @@ class GradientAverager:
     def reduce_max(self, value: float) -> float:
         """The largest ``value`` over the group (e.g. an overflow flag)."""
         tensor = torch.tensor([value], dtype=torch.float64, device=self.device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._group())
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._group(), async_op=True)
+        self._wait(work, 2 * self.timeout, "agree on a flag (a float16 overflow, a save)")
         return float(tensor.item())
 
 

@@ -142,18 +142,22 @@ def saved_replicas(rank: int, world: int, directory: str) -> dict[str, Any]:
 def replica_fails(rank: int, world: int, mode: str) -> tuple[str, str, int]:
     """2 stages x 2 replicas where replica 1's input is too narrow, so its stage 0 fails in
     the forward: in ``step()`` (``mode="step"``) or in ``pipe(x)`` (``"manual"``, fairscale's
-    style, with ``back_helper``). The failed replica's ranks stay alive a while after their
-    error (as a script that catches it would), so that the others cannot learn it from closed
-    connections. Returns (error type, text, the error's stage) per rank."""
+    style, with ``back_helper``); ``"absent"``: replica 1 builds the pipeline but takes no
+    step. The failed replica's ranks stay alive a while after their error (as a script that
+    catches it would), so that the others cannot learn it from closed connections. Returns
+    (error type, text, the error's stage) per rank."""
     import time
 
-    pipe = AsyncPipe(mlp(4, seed=31), [2, 2], chunks=2, data_parallel_size=2, timeout=20)
+    timeout = 2 if mode == "absent" else 20
+    pipe = AsyncPipe(mlp(4, seed=31), [2, 2], chunks=2, data_parallel_size=2, timeout=timeout)
     torch.manual_seed(pipe.data_parallel_rank)
     x = torch.randn(8, 8 if pipe.data_parallel_rank == 0 else 5)
     y = torch.randn(8, 8)
     seen: tuple[str, str, int] = ("no error", "", -1)
     try:
-        if mode == "step":
+        if mode == "absent" and pipe.data_parallel_rank == 1:
+            pass
+        elif mode in ("step", "absent"):
             pipe.step(x if pipe.is_first_stage else None, y if pipe.is_last_stage else None, mse)
         else:
             out = pipe(x if pipe.is_first_stage else None)
@@ -164,7 +168,7 @@ def replica_fails(rank: int, world: int, mode: str) -> tuple[str, str, int]:
     except Exception as e:
         seen = (type(e).__name__, str(e), getattr(e, "stage", -1))
     if pipe.data_parallel_rank == 1:
-        time.sleep(6)
+        time.sleep(8 if mode == "absent" else 6)
     return seen
 
 

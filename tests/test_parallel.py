@@ -49,6 +49,15 @@ def test_a_failed_replica_stops_the_other_replicas(mode: str) -> None:
             assert "mat1 and mat2 shapes cannot be multiplied" in text, text
 
 
+def test_a_replica_that_takes_no_step_fails_the_others_within_twice_the_timeout() -> None:
+    results = run_ranks(replica_fails, 4, "absent", timeout=180)
+    assert results[2:] == [("no error", "", -1)] * 2
+    for rank, (kind, text, stage) in enumerate(results[:2]):
+        assert kind == "StageFailure" and stage == rank, (rank, kind, text)
+        assert f"stage {rank} of replica 0 waited for the other replicas of its stage" in text
+        assert "at most 4.0 s" in text, text
+
+
 def test_a_stop_asked_on_one_replica_is_agreed_by_every_rank() -> None:
     assert run_ranks(replica_stops, 4, timeout=180) == [True] * 4
 
