@@ -52,9 +52,9 @@ def _run(args: argparse.Namespace, replicas: int, stages: int, dtype: str) -> di
     if averager is not None:  # time how long step() waits for the all-reduce
         finish = averager.finish
 
-        def timed() -> None:
+        def timed(stop: bool = False) -> None:
             start = time.perf_counter()
-            finish()
+            finish(stop)
             waits.append(time.perf_counter() - start)
 
         averager.finish = timed  # type: ignore[method-assign]
