@@ -26,6 +26,21 @@ class StageFailure(RuntimeError):
         self.rank, self.stage, self.microbatch, self.action = rank, stage, microbatch, action
 
 
+def refusal(lead: str, refused: list[int], me: int, what: str = "arguments") -> StageFailure:
+    """The error of rank ``me`` when ranks ``refused`` rejected their ``what`` in a collective
+    that checks them before the pipeline sends anything: ``lead`` says what cannot go on."""
+    many = len(refused) > 1
+    return StageFailure(
+        f"{lead}: rank{'s' if many else ''} {', '.join(map(str, refused))} rejected "
+        f"{'their' if many else 'its'} {what} (see the error there for what is wrong and how "
+        f"to fix it); rank {me} stops too, before any message of the pipeline",
+        rank=refused[0],
+        stage=-1,
+        microbatch=-1,
+        action="",
+    )
+
+
 @dataclass(frozen=True)
 class StepReport:
     """Timing of one step on this rank.

@@ -33,6 +33,18 @@ def collective_device() -> torch.device:
     return torch.device("cpu")
 
 
+def wait_at_most(work: dist.Work | None, seconds: float) -> RuntimeError | None:
+    """Wait for ``work`` (a collective or point-to-point operation) ``seconds`` at most: None
+    once it completed, else the backend's error (it timed out, or a peer is gone), for the
+    caller to raise its own explanation from."""
+    try:
+        assert work is not None
+        work.wait(datetime.timedelta(seconds=seconds))
+    except RuntimeError as e:
+        return e
+    return None
+
+
 def init(
     backend: str | None = None,
     timeout: float | datetime.timedelta = 300.0,

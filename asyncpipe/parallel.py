@@ -15,7 +15,6 @@ wait for the rest of the pipeline to finish the step.
 from __future__ import annotations
 
 import contextlib
-import datetime
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -23,8 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .failure import StageFailure
-from .group import GroupRef, collective_device
+from .failure import StageFailure, refusal
+from .group import GroupRef, collective_device, wait_at_most
 from .transport import P2PTransport, RPCTransport, ShmTransport, Transport, TransportTimeout
 from .transport.rpc import worker_names
 
@@ -139,21 +138,18 @@ class GradientAverager:
     def _wait(
         self, work: dist.Work | None, seconds: float, what: str = "average the step's gradients"
     ) -> None:
-        if work is None:
-            return
-        try:
-            work.wait(datetime.timedelta(seconds=seconds))
-        except RuntimeError as e:
+        error = None if work is None else wait_at_most(work, seconds)
+        if error is not None:
             raise StageFailure(
                 f"stage {self.stage} of replica {self.replica} waited for the other replicas "
                 f"of its stage to {what} (at most {seconds:.1f} s, twice "
                 f"the pipeline's timeout) and none came or one was lost: a replica is stuck or "
-                f"gone, or its ranks did not all call step() ({str(e).splitlines()[0]})",
+                f"gone, or its ranks did not all call step() ({str(error).splitlines()[0]})",
                 rank=-1,
                 stage=self.stage,
                 microbatch=-1,
                 action="",
-            ) from e
+            ) from error
 
     def _news(self, failure: BaseException | None, stop: bool, seconds: float) -> list[Tensor]:
         """Every replica's news of its step (see :data:`_NEWS_WORDS`), by replica."""
@@ -247,32 +243,19 @@ def same_transport(name: str | None, device: torch.device, timeout: float) -> No
     code = _REFUSED if name is None else _NAMES.index(name)
     mine = torch.tensor([code], dtype=torch.int64, device=where)
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    work = dist.all_gather(everyone, mine, async_op=True)
-    try:
-        assert work is not None
-        work.wait(datetime.timedelta(seconds=timeout))
-    except RuntimeError as e:
+    error = wait_at_most(dist.all_gather(everyone, mine, async_op=True), timeout)
+    if error is not None:
         raise TransportTimeout(
             f"AsyncPipe's constructor compares the transport every rank builds, and rank "
             f"{dist.get_rank()} waited {timeout:.1f} s for the others: did the constructor fail "
-            f"on some rank, or is AsyncPipe not built there? ({str(e).splitlines()[0]})"
-        ) from e
+            f"on some rank, or is AsyncPipe not built there? ({str(error).splitlines()[0]})"
+        ) from error
     codes = [int(t.item()) for t in everyone]
     refused = [rank for rank, c in enumerate(codes) if c == _REFUSED]
     if name is None:
         return
     if refused:
-        ranks = ", ".join(map(str, refused))
-        raise StageFailure(
-            f"AsyncPipe cannot be built: rank{'s' if len(refused) > 1 else ''} {ranks} rejected "
-            f"{'their' if len(refused) > 1 else 'its'} arguments (see the error there for what "
-            f"is wrong and how to fix it); rank {dist.get_rank()} stops too, before any message "
-            f"of the pipeline",
-            rank=refused[0],
-            stage=-1,
-            microbatch=-1,
-            action="",
-        )
+        raise refusal("AsyncPipe cannot be built", refused, dist.get_rank())
     names = [_NAMES[c] for c in codes]
     if len(set(names)) > 1:
         listed = ", ".join(f"rank {rank}: {n!r}" for rank, n in enumerate(names))

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import datetime
-
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..failure import StageFailure
-from ..group import collective_device
+from ..failure import refusal
+from ..group import collective_device, wait_at_most
 from ..lazy import LazyModule
 from ..transport import Transport, TransportTimeout
 
@@ -60,17 +58,7 @@ def auto_balance(
     if problems:
         raise ValueError("; ".join(problems))
     if refused:
-        ranks = ", ".join(map(str, refused))
-        raise StageFailure(
-            f"balance='auto' cannot run: rank{'s' if len(refused) > 1 else ''} {ranks} "
-            f"rejected {'their' if len(refused) > 1 else 'its'} arguments to it (see the error "
-            f"there for what is wrong and how to fix it); rank {dist.get_rank()} stops too, "
-            f"before any message of the pipeline",
-            rank=refused[0],
-            stage=-1,
-            microbatch=-1,
-            action="",
-        )
+        raise refusal("balance='auto' cannot run", refused, dist.get_rank(), "arguments to it")
     assert sample is not None
     if isinstance(transport, Transport):
         world = transport.world_size
@@ -96,14 +84,12 @@ entries or an error's text (longer text is cut)."""
 
 
 def _wait(work: dist.Work | None, seconds: float, what: str) -> None:
-    try:
-        assert work is not None
-        work.wait(datetime.timedelta(seconds=seconds))
-    except RuntimeError as e:
+    error = wait_at_most(work, seconds)
+    if error is not None:
         raise TransportTimeout(
             f"rank {dist.get_rank()} waited for {what} (at most {seconds:.1f} s, the "
-            f"pipeline's timeout): {str(e).splitlines()[0]}"
-        ) from e
+            f"pipeline's timeout): {str(error).splitlines()[0]}"
+        ) from error
 
 
 def _refusals(refuses: bool, seconds: float) -> list[int]:
