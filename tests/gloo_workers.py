@@ -77,6 +77,27 @@ def check_errors(results: list[dict[str, tuple[float, float]]]) -> None:
             assert grad_error < 1e-5, f"rank {rank} {key}: gradients off by {grad_error}"
 
 
+def check_failed_constructor(results: list[tuple[str, str, int, float]], where: str) -> None:
+    """The results of :func:`one_rank_cannot_build` (or its rpc twin): rank 1's constructor
+    failed as ``where`` says (every rank's with ``"build-all"``) with its own error, the others
+    raised a StageFailure naming it at once (not after their timeout), and a good pipeline
+    built after it in the same processes matched the plain model on every rank."""
+    for rank, (kind, text, culprit, loss) in enumerate(results):
+        assert loss < 1e-6, (rank, loss)
+        if rank == 1 or where == "build-all":
+            if where == "arguments":
+                assert kind == "ValueError" and "chunks must be" in text, text
+            else:
+                assert kind == "RuntimeError" and text == "no memory left for this layer", text
+            continue
+        assert kind == "StageFailure" and culprit == 1, (rank, kind, text)
+        assert f"rank {rank} stops too" in text and "timed out" not in text, text
+        if where == "arguments":
+            assert "rank 1 rejected its arguments" in text, text
+        else:
+            assert "failed on rank 1 (stage 1) with RuntimeError: no memory left" in text, text
+
+
 def transparency(
     rank: int,
     world: int,

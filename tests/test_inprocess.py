@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 from models import grads_of, mlp, reference
+from stubs import Unused
 from threads import run_threads, values
 from torch import Tensor, nn
 
@@ -560,17 +561,12 @@ def test_the_last_stage_reads_its_losses_once_a_step() -> None:
     assert Counted.reads == 1  # one step of 4 micro-batches: one read
 
 
-class _Unconfirmed(Transport):
+class _Unconfirmed(Unused):
     """A transport whose flush fails as ``error`` does: receipts a peer never returned."""
 
     def __init__(self, error: BaseException) -> None:
-        self.rank, self.world_size, self.error = 0, 2, error
-
-    def send(self, dst: int, channel: int, message: Any) -> None:
-        raise AssertionError("not used")
-
-    def recv(self, src: int, channel: int, slot: int = 0) -> Any:
-        raise AssertionError("not used")
+        super().__init__()
+        self.error = error
 
     def flush(self, timeout: float) -> None:
         raise self.error

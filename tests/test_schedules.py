@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 import torch
 from models import grads_of, mlp, reference
+from stubs import Unused
 from threads import run_pipes, run_threads, values
 from torch import Tensor, nn
 
@@ -201,22 +202,10 @@ def test_forward_and_back_helper_with_any_schedule(schedule: str) -> None:
         torch.testing.assert_close(got.grad, want.grad)
 
 
-class _Ordered(Transport):
+class _Ordered(Unused):
     """A stand-in for a transport that matches messages in posting order, like NCCL."""
 
     early_receives = False
-
-    def __init__(self, rank: int, world: int) -> None:
-        self.rank, self.world_size = rank, world
-
-    def send(self, dst: int, channel: int, message: Any) -> None:
-        raise AssertionError("not used")
-
-    def recv(self, src: int, channel: int, slot: int = 0) -> Any:
-        raise AssertionError("not used")
-
-    def flush(self, timeout: float) -> None:
-        return None
 
 
 def test_posting_order_transport_refuses_plans_that_reorder_messages() -> None:
