@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+from torch import Tensor
+
 from .microbatch import Tensors
 
 __all__ = ["StageFailure", "StepReport"]
@@ -24,6 +27,21 @@ class StageFailure(RuntimeError):
     def __init__(self, text: str, *, rank: int, stage: int, microbatch: int, action: str) -> None:
         super().__init__(text)
         self.rank, self.stage, self.microbatch, self.action = rank, stage, microbatch, action
+
+
+def write_text(words: Tensor, text: str) -> None:
+    """Put ``text`` into the int64 tensor ``words`` (host memory) for a collective that carries
+    no strings: its length in bytes in ``words[0]``, its UTF-8 bytes from ``words[1]`` on (cut
+    to fit). :func:`read_text` reads it back."""
+    data = text.encode("utf-8")[: 8 * (words.numel() - 1)]
+    words[0] = len(data)
+    words[1:].view(torch.uint8)[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def read_text(words: Tensor) -> str:
+    """The text :func:`write_text` put into ``words`` (a character cut in two is replaced)."""
+    data = words[1:].view(torch.uint8)[: int(words[0])]
+    return bytes(data.tolist()).decode("utf-8", "replace")
 
 
 def refusal(lead: str, refused: list[int], me: int, what: str = "arguments") -> StageFailure:

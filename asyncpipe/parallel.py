@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .failure import StageFailure, refusal
+from .failure import StageFailure, read_text, refusal, write_text
 from .group import GroupRef, collective_device, wait_at_most
 from .transport import P2PTransport, RPCTransport, ShmTransport, Transport, TransportTimeout
 from .transport.rpc import worker_names
@@ -156,15 +156,12 @@ class GradientAverager:
         words = torch.zeros(_NEWS_WORDS, dtype=torch.int64)
         words[1] = int(stop)
         if failure is not None:
-            text = (str(failure) or type(failure).__name__).encode("utf-8")[: 8 * (_NEWS_WORDS - 6)]
             words[0] = 1
             if isinstance(failure, StageFailure):
                 words[2], words[3], words[4] = failure.stage, failure.microbatch, failure.rank
             else:
                 words[2], words[3], words[4] = -1, -1, -1
-            words[5] = len(text)
-            view = words[6:].view(torch.uint8)
-            view[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+            write_text(words[5:], str(failure) or type(failure).__name__)
         group = self._group()
         where = self.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
         words = words.to(where)
@@ -186,8 +183,8 @@ class GradientAverager:
         failed = [(replica, w) for replica, w in enumerate(news) if w[0]]
         if failed:
             replica, w = failed[0]
-            stage, microbatch, rank, length = (int(v) for v in w[2:6])
-            text = bytes(w[6:].view(torch.uint8)[:length].tolist()).decode("utf-8", "replace")
+            stage, microbatch, rank = (int(v) for v in w[2:5])
+            text = read_text(w[5:])
             raise StageFailure(
                 f"replica {replica} of the pipeline failed in this step ({text}); stage "
                 f"{self.stage} of replica {self.replica} stops too: the replicas' gradients of "

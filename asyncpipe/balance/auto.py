@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..failure import refusal
+from ..failure import read_text, refusal, write_text
 from ..group import collective_device, wait_at_most
 from ..lazy import LazyModule
 from ..transport import Transport, TransportTimeout
@@ -110,11 +110,8 @@ def _share(answer: list[int] | str, seconds: float) -> list[int] | str:
     words = torch.zeros(_WORDS, dtype=torch.int64)
     if dist.get_rank() == 0:
         if isinstance(answer, str):
-            text = answer.encode("utf-8")[: 8 * (_WORDS - 2)]
-            words[0], words[1] = 1, len(text)
-            words[2:].view(torch.uint8)[: len(text)] = torch.frombuffer(
-                bytearray(text), dtype=torch.uint8
-            )
+            words[0] = 1
+            write_text(words[1:], answer)
         else:
             words[0], words[1] = 0, len(answer)
             words[2 : 2 + len(answer)] = torch.tensor(answer, dtype=torch.int64)
@@ -126,10 +123,9 @@ def _share(answer: list[int] | str, seconds: float) -> list[int] | str:
         "timeout: raise timeout= if that takes longer)",
     )
     words = words.cpu()
-    kind, length = int(words[0]), int(words[1])
-    if kind == 1:
-        return bytes(words[2:].view(torch.uint8)[:length].tolist()).decode("utf-8", "replace")
-    return [int(v) for v in words[2 : 2 + length]]
+    if int(words[0]) == 1:
+        return read_text(words[1:])
+    return [int(v) for v in words[2 : 2 + int(words[1])]]
 
 
 def _p2p(transport: Transport) -> bool:
