@@ -229,25 +229,39 @@ _NAMES = ("p2p", "shm", "rpc")
 _REFUSED = -1  # the code of a rank that rejected its own arguments
 
 
-def same_transport(name: str | None, device: torch.device, timeout: float) -> None:
+def timed_wait(work: dist.Work | None, seconds: float, what: str) -> None:
+    """Wait ``seconds`` at most for ``work`` (a collective of AsyncPipe's constructor), else
+    raise a TransportTimeout saying what this rank waited ``for``."""
+    error = wait_at_most(work, seconds)
+    if error is not None:
+        raise TransportTimeout(
+            f"rank {dist.get_rank()} waited for {what} (at most {seconds:.1f} s, the "
+            f"pipeline's timeout): {str(error).splitlines()[0]}"
+        ) from error
+
+
+def gather_codes(code: int, seconds: float, what: str) -> list[int]:
+    """Every rank's ``code`` (index: rank), in one all_gather over the world that waits
+    ``seconds`` at most for ``what`` (see :func:`timed_wait`)."""
+    mine = torch.tensor([code], dtype=torch.int64, device=collective_device())
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    timed_wait(dist.all_gather(everyone, mine, async_op=True), seconds, what)
+    return [int(t.item()) for t in everyone]
+
+
+def same_transport(name: str | None, timeout: float) -> None:
     """Check, in one collective over the world, that every rank builds the transport ``name``:
     a rank building another would wait in its own set-up (shm's is collective) or for messages
     that never come, until the timeout. Raises ValueError naming each rank's choice.
 
     ``name=None``: this rank rejected its own arguments and takes part only to tell the others,
     which raise a StageFailure naming it at once instead of waiting here until the timeout."""
-    where = device if dist.get_backend() == "nccl" else torch.device("cpu")
-    code = _REFUSED if name is None else _NAMES.index(name)
-    mine = torch.tensor([code], dtype=torch.int64, device=where)
-    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    error = wait_at_most(dist.all_gather(everyone, mine, async_op=True), timeout)
-    if error is not None:
-        raise TransportTimeout(
-            f"AsyncPipe's constructor compares the transport every rank builds, and rank "
-            f"{dist.get_rank()} waited {timeout:.1f} s for the others: did the constructor fail "
-            f"on some rank, or is AsyncPipe not built there? ({str(error).splitlines()[0]})"
-        ) from error
-    codes = [int(t.item()) for t in everyone]
+    codes = gather_codes(
+        _REFUSED if name is None else _NAMES.index(name),
+        timeout,
+        "the other ranks in AsyncPipe's constructor, which compares the transport every rank "
+        "builds: did the constructor fail on some rank, or is AsyncPipe not built there?",
+    )
     refused = [rank for rank, c in enumerate(codes) if c == _REFUSED]
     if name is None:
         return
@@ -287,7 +301,7 @@ def refuse(transport: object, device: object, timeout: object) -> None:
     if not isinstance(transport, str) or not dist.is_initialized():
         return
     with contextlib.suppress(Exception):
-        same_transport(None, collective_device(), refusal_seconds(timeout))
+        same_transport(None, refusal_seconds(timeout))
 
 
 def connect(
@@ -301,7 +315,7 @@ def connect(
     with one replica). ``transport`` is a name or a ready Transport (one replica only); every
     rank of the world must name the same one (checked first)."""
     if isinstance(transport, str):
-        same_transport(transport, device, timeout)
+        same_transport(transport, timeout)
     layout = Layout(ranks, data_parallel_size)
     data_parallel_rank = 0
     pipeline_group = data_parallel_group = down_group = None

@@ -7,9 +7,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..failure import read_text, refusal, write_text
-from ..group import collective_device, wait_at_most
+from ..group import collective_device
 from ..lazy import LazyModule
-from ..transport import Transport, TransportTimeout
+from ..parallel import gather_codes, timed_wait
+from ..transport import Transport
 
 __all__: list[str] = []
 
@@ -54,7 +55,13 @@ def auto_balance(
         )
         raise ValueError("; ".join(problems))
     seconds = float(timeout) if isinstance(timeout, (int, float)) and timeout > 0 else 300.0
-    refused = _refusals(bool(problems), seconds)
+    codes = gather_codes(
+        int(bool(problems)),
+        seconds,
+        "the other ranks to reach balance='auto' in AsyncPipe's constructor: is AsyncPipe "
+        "built with balance='auto' on every rank?",
+    )
+    refused = [rank for rank, code in enumerate(codes) if code]
     if problems:
         raise ValueError("; ".join(problems))
     if refused:
@@ -83,28 +90,6 @@ _WORDS = 1024
 entries or an error's text (longer text is cut)."""
 
 
-def _wait(work: dist.Work | None, seconds: float, what: str) -> None:
-    error = wait_at_most(work, seconds)
-    if error is not None:
-        raise TransportTimeout(
-            f"rank {dist.get_rank()} waited for {what} (at most {seconds:.1f} s, the "
-            f"pipeline's timeout): {str(error).splitlines()[0]}"
-        ) from error
-
-
-def _refusals(refuses: bool, seconds: float) -> list[int]:
-    """The ranks that cannot take part in balance='auto' (this one if ``refuses``)."""
-    mine = torch.tensor([int(refuses)], dtype=torch.int64, device=collective_device())
-    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    _wait(
-        dist.all_gather(everyone, mine, async_op=True),
-        seconds,
-        "the other ranks to reach balance='auto' in AsyncPipe's constructor: is AsyncPipe "
-        "built with balance='auto' on every rank?",
-    )
-    return [rank for rank, flag in enumerate(everyone) if int(flag.item())]
-
-
 def _share(answer: list[int] | str, seconds: float) -> list[int] | str:
     """Rank 0's ``answer`` (a balance, or the text of its error) on every rank."""
     words = torch.zeros(_WORDS, dtype=torch.int64)
@@ -116,7 +101,7 @@ def _share(answer: list[int] | str, seconds: float) -> list[int] | str:
             words[0], words[1] = 0, len(answer)
             words[2 : 2 + len(answer)] = torch.tensor(answer, dtype=torch.int64)
     words = words.to(collective_device())
-    _wait(
+    timed_wait(
         dist.broadcast(words, src=0, async_op=True),
         seconds,
         "rank 0's balance (balance='auto' times every layer there, within the pipeline's "
