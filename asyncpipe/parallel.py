@@ -15,6 +15,7 @@ wait for the rest of the pipeline to finish the step.
 from __future__ import annotations
 
 import contextlib
+import datetime
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -52,23 +53,33 @@ class Layout:
         return [d * self.stages + stage for d in range(self.replicas)]
 
 
+def group_timeout(timeout: float) -> datetime.timedelta:
+    """The backend's own timeout for the groups asyncpipe makes for a pipeline whose timeout
+    is ``timeout``: longer than asyncpipe's longest bounded wait on them (twice the timeout,
+    see :class:`GradientAverager`), so that wait reports first, naming what it waited for,
+    yet bounded by the pipeline's timeout rather than torch's default (30 minutes)."""
+    return datetime.timedelta(seconds=2 * timeout + 60)
+
+
 def groups(
-    layout: Layout, rank: int, down: bool = False
+    layout: Layout, rank: int, down: bool = False, timeout: float = 300.0
 ) -> tuple[dist.ProcessGroup, dist.ProcessGroup, dist.ProcessGroup | None]:
     """This rank's pipeline group, data-parallel group and, with ``down``, a second group over
     its pipeline's ranks for the messages to lower ranks (the p2p transport's ordered mode).
-    Every rank creates every group, in the same order (creating a group is collective)."""
+    Every rank creates every group, in the same order (creating a group is collective), with
+    the backend timeout :func:`group_timeout` of the pipeline's ``timeout``."""
     pipeline = data_parallel = second = None
+    limit = group_timeout(timeout)
     for replica in range(layout.replicas):
-        group = dist.new_group(layout.pipeline_ranks(replica))
+        group = dist.new_group(layout.pipeline_ranks(replica), timeout=limit)
         if replica == layout.replica(rank):
             pipeline = group
     for stage in range(layout.stages):
-        group = dist.new_group(layout.data_parallel_ranks(stage))
+        group = dist.new_group(layout.data_parallel_ranks(stage), timeout=limit)
         if stage == layout.stage(rank):
             data_parallel = group
     for replica in range(layout.replicas if down else 0):
-        group = dist.new_group(layout.pipeline_ranks(replica))
+        group = dist.new_group(layout.pipeline_ranks(replica), timeout=limit)
         if replica == layout.replica(rank):
             second = group
     assert pipeline is not None and data_parallel is not None
@@ -330,7 +341,7 @@ def connect(
             )
         me = dist.get_rank()
         ordered = transport == "p2p" and dist.get_backend() == "nccl"
-        pipeline_group, data_parallel_group, down_group = groups(layout, me, ordered)
+        pipeline_group, data_parallel_group, down_group = groups(layout, me, ordered, timeout)
         data_parallel_rank = layout.replica(me)
     if transport == "rpc":
         if pipeline_group is None:

@@ -48,12 +48,16 @@ def two_by_two(rank: int, world: int, schedule: str, transport: str) -> dict[str
     ids = {id(p): n for n, p in enumerate(model.parameters())}
     want = [p.grad for p in plain.parameters()]
     error = max(float((p.grad - want[ids[id(p)]]).abs().max()) for p in pipe.parameters())
+    averager = pipe._averager
+    assert averager is not None
+    backend = averager._group()._get_backend(torch.device("cpu"))
     out = {
         "stage": pipe.stage,
         "replica": pipe.data_parallel_rank,
         "size": pipe.data_parallel_size,
         "grad_error": error,
         "norm_error": abs(norm - want_norm),
+        "group_timeout": backend.options._timeout.total_seconds(),
     }
     if transport == "rpc":
         import asyncpipe

@@ -31,6 +31,9 @@ def test_two_stages_by_two_replicas_match_the_plain_model(schedule: str, transpo
     ]  # fmt: skip
     for r in results:
         assert r["grad_error"] < 1e-5 and r["norm_error"] < 1e-5, r
+        # the data-parallel group waits as long as asyncpipe's bounded waits allow (twice the
+        # pipeline's timeout of 30 s, plus a minute), not torch's default of 30 minutes
+        assert r["group_timeout"] == 120.0, r
 
 
 @pytest.mark.parametrize("mode", ["step", "manual"])
