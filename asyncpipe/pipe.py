@@ -573,8 +573,11 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
                 "pass max_norm to step() instead, which clips that gradient by its norm over "
                 "every stage: pipe.step(x, y, loss_fn, optimizer=optimizer, max_norm=1.0)"
             )
-        grads = [p.grad.detach() for p in self.parameters() if p.grad is not None]
-        return clip_norm(grads, self._runtime.exchange, max_norm, norm_type)
+        repeated = self._shared.repeated()  # copies of a shared weight count once
+        params = [p for p in self.parameters() if p.grad is not None]
+        counted = [p.grad.detach() for p in params if id(p) not in repeated]
+        grads = [p.grad.detach() for p in params]
+        return clip_norm(grads, self._runtime.exchange, max_norm, norm_type, counted)
 
     def extra_repr(self) -> str:
         return (

@@ -125,13 +125,15 @@ def clip_norm(
     exchange: Callable[[Sequence[float]], list[list[float]]],
     max_norm: float,
     norm_type: float,
+    counted: list[Tensor] | None = None,
 ) -> Tensor:
     """Clip ``grads`` (this rank's) by the norm over every rank, found with one ``exchange``
-    of each rank's partial sum; returns that norm."""
+    of each rank's partial sum of ``counted`` (default: ``grads``; copies of a shared weight
+    but one are left out of it); returns that norm."""
     if not (isinstance(max_norm, (int, float)) and max_norm > 0):
         raise ValueError(f"max_norm must be a positive number (got {max_norm!r})")
     norm_type = float(norm_type)
-    table = exchange([partial_norm(grads, norm_type)])
+    table = exchange([partial_norm(grads if counted is None else counted, norm_type)])
     total = total_norm([row[0] for row in table], norm_type)
     scale_to(grads, max_norm, total)
     return torch.tensor(total)

@@ -156,6 +156,16 @@ class SharedWeights:
                 for p in g.local:
                     p.copy_(value)
 
+    def repeated(self) -> set[int]:
+        """The ids of this rank's copies that a norm over every stage leaves out so that each
+        group counts once, as the tied parameter does in the plain model: all copies but the
+        lowest owner's first."""
+        left_out = set()
+        for g in self.groups:
+            first = 1 if g.owners and g.owners[0] == self.rank else 0
+            left_out.update(id(p) for p in g.local[first:])
+        return left_out
+
     def snapshot(self) -> list[list[Tensor | None]]:
         """The local gradients before a backward, to find what it adds."""
         return [

@@ -94,6 +94,9 @@ def tied(rank: int, world: int, steps: int) -> Any:
         for n, p in model.named_parameters()
         if p.grad is not None
     )
+    # the norm over every stage counts the tied weight once, as the plain model does
+    plain_norm = float(torch.stack([g.norm() for g in grads]).norm())
+    result["norm"] = abs(float(pipe.clip_grad_norm_(1e9)) - plain_norm)
     model.zero_grad()  # the fairscale-style forward and backward sum them too
     out = pipe(ids if first else None)
     if last:

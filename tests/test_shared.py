@@ -21,6 +21,7 @@ def test_tied_embedding_and_head_stay_equal_over_many_steps() -> None:
         assert result["grad"] < 1e-6, (rank, result["grad"])  # the tied model's gradient
         assert result["forward_grad"] < 1e-6, (rank, result["forward_grad"])
         assert result["others"] < 1e-6, (rank, result["others"])
+        assert result["norm"] < 1e-5, (rank, result["norm"])  # the tied weight counted once
         assert result["plain"] < 1e-4, (rank, result["plain"])  # same training as the plain one
     assert torch.equal(results[0]["weight"], results[1]["weight"])
 
