@@ -51,6 +51,31 @@ def aliases(tensors: Sequence[Tensor]) -> tuple[Tensor, ...]:
     return tuple(alias(t) for t in tensors)
 
 
+def own_version(tensor: Tensor) -> Tensor:
+    """``tensor``'s memory in a tensor with a version counter of its own, where ``tensor`` is a
+    plain strided tensor that asks for no gradient (else ``tensor`` itself).
+
+    Views share the version counter of their base: a micro-batch cut from the input by
+    ``torch.chunk``, or one of the tensors of a message received in one buffer, would count the
+    in-place changes made to its siblings, and autograd would refuse a backward through a
+    tensor a layer saved for it when a sibling was changed in place later (a first layer
+    ``nn.ReLU(inplace=True)`` changes every micro-batch of the input). The plain model's
+    tensors are not views of each other, so the pipeline's must not count each other's changes
+    either. No copy is made."""
+    if (
+        tensor.requires_grad
+        or type(tensor) is not Tensor
+        or tensor.layout is not torch.strided
+        or tensor.is_inference()
+    ):
+        return tensor
+    with torch.no_grad():
+        own = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+        return own.set_(
+            tensor.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride()
+        )
+
+
 def copies(tensors: Sequence[Tensor]) -> tuple[Tensor, ...]:
     """Copies of ``tensors`` for a forward under ``torch.no_grad()`` whose inputs are read
     again by a recompute: a layer that modifies its input in place then changes the copy."""

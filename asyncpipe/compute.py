@@ -219,7 +219,10 @@ class Compute:
                 )
             if split:
                 wanted = [o for o in out if o.requires_grad]
-                found = dict(zip(map(id, wanted), torch.autograd.grad(loss, wanted)))
+                # allow_unused: a loss may read part of a tuple output (logits, aux)
+                found = dict(
+                    zip(map(id, wanted), torch.autograd.grad(loss, wanted, allow_unused=True))
+                )
                 given = tuple(found.get(id(o)) for o in out)
             else:
                 roots, grads = [loss], [None]
@@ -240,6 +243,10 @@ class Compute:
                 work.runs.pop((seg, i)), given, stash_grads
             )
             skip_grads = stash_grads  # now: the gradients of the skips popped here
+            if seg == 0:  # the caller's input asks for gradients: they flow on into its graph
+                pairs = [(t, g) for t, g in zip(x, x_grads) if g is not None and t.requires_grad]
+                if pairs:
+                    torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         else:
             for key, tensor in stashed.items():
                 g = stash_grads.get(key)
@@ -248,7 +255,9 @@ class Compute:
                     grads.append(_like(g, tensor))
             if roots:
                 torch.autograd.backward(roots, grads)
-            x_grads = [t.grad if t.requires_grad else None for t in x]
+            # the leaves' gradients, for the stage before (segment 0's inputs are the
+            # caller's, whose gradients autograd has given to the caller's graph)
+            x_grads = [t.grad if t.requires_grad and seg > 0 else None for t in x]
             skip_grads = {
                 k: t.grad if t is not None and t.requires_grad else None for k, t in skips.items()
             }

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from .alias import own_version
+
 __all__: list[str] = []
 
 Tensors = tuple[Tensor, ...]
@@ -56,7 +58,8 @@ def scatter(batch: Tensors, chunks: int, what: str = "input") -> list[Tensors]:
     if 0 in sizes:
         raise ValueError(f"the {what} is empty along dim 0; pass at least one sample")
     pieces = [torch.chunk(t, chunks, dim=0) for t in batch]
-    return [tuple(piece[i] for piece in pieces) for i in range(len(pieces[0]))]
+    # each micro-batch counts its own in-place changes (see own_version)
+    return [tuple(own_version(piece[i]) for piece in pieces) for i in range(len(pieces[0]))]
 
 
 def gather(outputs: Sequence[Tensors]) -> Tensors:

@@ -696,3 +696,48 @@ def one_rank_cannot_build(rank: int, world: int, where: str, transport: str = "p
         model, [1] * world, chunks=2, timeout=60, transport=_transport(transport, "cpu")
     )
     return (*seen, abs(good.step(x, y, mse) - plain))
+
+
+class _Split(nn.Module):
+    """Two tensors from one: they cross the stage boundary in one message."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.h, self.m = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return self.h(x), self.m(x)
+
+
+class _SinOfSecond(nn.Module):
+    """Keeps ``m`` for its backward (sin saves its input) and passes ``h`` on."""
+
+    def forward(self, pair: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        h, m = pair
+        return h, m.sin()
+
+
+class _ReluFirstInPlace(nn.Module):
+    def forward(self, pair: tuple[Tensor, Tensor]) -> Tensor:
+        h, s = pair
+        return h.relu_() + s
+
+
+def in_place_sibling(rank: int, world: int, transport: str) -> Any:
+    """A stage that changes one tensor of a received message in place after a layer kept the
+    other for its backward (each received into the same buffer): loss and gradient errors
+    against the plain model. A message's tensors shared one version counter, so autograd
+    refused that backward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_Split(), _SinOfSecond(), _ReluFirstInPlace(), nn.Linear(8, 8))
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    plain = copy.deepcopy(model)
+    want_loss = 0.0
+    for px, py in zip(x.chunk(4), y.chunk(4)):
+        loss = mse(plain(px), py) / 4
+        loss.backward()
+        want_loss += float(loss.detach())
+    grads = dict(enumerate(p.grad for p in plain.parameters()))
+    pipe = AsyncPipe(model, [1, 3], chunks=4, checkpoint="never", transport=transport, timeout=30)
+    loss = pipe.step(x, y, mse)
+    return abs(loss - want_loss), _diff(pipe, grads, model)

@@ -13,6 +13,7 @@ from gloo_workers import (
     every_schedule,
     expected_headers,
     failure,
+    in_place_sibling,
     features,
     large_steps,
     message_sizes,
@@ -250,6 +251,12 @@ def test_a_tuple_of_one_tensor_crosses_stages_as_a_tuple(transport: str) -> None
     for rank, errors in enumerate(run_ranks(one_tuples, 2, transport, timeout=180)):
         for case, (loss, grads, inference) in errors.items():
             assert max(loss, grads, inference) < 1e-6, (rank, case, loss, grads, inference)
+
+
+@pytest.mark.parametrize("transport", ["p2p", "shm"])
+def test_a_received_tensor_changed_in_place_leaves_its_siblings_alone(transport: str) -> None:
+    for rank, (loss, grads) in enumerate(run_ranks(in_place_sibling, 2, transport, timeout=120)):
+        assert max(loss, grads) < 1e-6, (rank, loss, grads)
 
 
 def test_a_stage_output_without_dimensions_is_stacked_by_pipe_forward() -> None:

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ..alias import own_version
 from .base import Message
 
 __all__: list[str] = []
@@ -156,11 +157,21 @@ def views(
     each requiring grad as its spec says (only where they are the tensors received: a copy to
     another device must be made from views that do not)."""
     tensors: list[Tensor | None] = []
+    storage, start = buffer.untyped_storage(), buffer.storage_offset()
     for (code, requires_grad, shape), offset in zip(specs, offsets):
         if code < 0:
             tensors.append(None)
             continue
-        data = buffer[offset : offset + nbytes(code, shape)].view(DTYPES[code]).view(shape)
+        dtype = DTYPES[code]
+        # Each its own tensor over the buffer's memory rather than a view of the buffer: the
+        # tensors of a message then count their in-place changes apart, as the plain model's
+        # do (see ``alias.own_version``).
+        at, rest = divmod(start + offset, dtype.itemsize)
+        if rest:  # a buffer that starts off its dtypes' alignment
+            data = own_version(buffer[offset : offset + nbytes(code, shape)].view(dtype))
+            data = data.view(shape)
+        else:
+            data = torch.empty(0, dtype=dtype, device=buffer.device).set_(storage, at, shape)
         tensors.append(data.requires_grad_(True) if grad and requires_grad else data)
     return tensors
 
