@@ -105,7 +105,7 @@ class Compute:
         """The loss of micro-batch ``i`` from the last stage's output ``out`` (``single``: a
         tuple of one tensor, which ``loss_fn`` gets as that tuple)."""
         assert work.loss_fn is not None
-        target = None if work.targets is None else unwrap(work.targets[i])
+        target = None if work.targets is None else unwrap(work.targets[i], work.single_target)
         try:
             loss = work.loss_fn(unwrap(out, single), target)
         except Exception as e:

@@ -476,6 +476,8 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
             )
             if inputs and isinstance(input, (tuple, list)) and len(input) == 1:
                 work.tuples.update((-1, i) for i in range(microbatches))  # as nn.Sequential
+            if targets and isinstance(target, (tuple, list)) and len(target) == 1:
+                work.single_target = True  # loss_fn gets each micro-batch's as given
             return work
 
         return prepare

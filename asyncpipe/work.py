@@ -47,6 +47,8 @@ class Work:
     train: bool
     inputs: list[Tensors] | None = None
     targets: list[Tensors] | None = None
+    single_target: bool = False
+    """The target was a tuple (or list) of one tensor, which ``loss_fn`` gets as that tuple."""
     loss_fn: LossFn | None = None
     output_grads: list[Grads] | None = None
     policy: str = "never"

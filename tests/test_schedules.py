@@ -374,3 +374,19 @@ def test_the_callers_input_gets_its_gradient(schedule: str) -> None:
     _step_everywhere(model, balance, schedule, "never", x, y, mse)
     assert x.grad is not None
     torch.testing.assert_close(x.grad, plain_x.grad)
+
+
+def test_a_target_given_as_a_tuple_of_one_reaches_the_loss_as_one() -> None:
+    # loss_fn got the bare tensor, so t[0] read its first row and the loss broadcast silently
+    model = mlp(4)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+
+    def loss_fn(out: Tensor, target: Any) -> Tensor:
+        assert isinstance(target, tuple) and len(target) == 1, type(target)
+        return mse(out, target[0])
+
+    losses = _step_everywhere(model, [2, 2], "1f1b", "never", x, (y,), loss_fn)  # type: ignore[arg-type]
+    want_loss, want_grads = _plain(model, x, y, mse)
+    assert losses == pytest.approx([want_loss] * 2, rel=1e-6)
+    for got, want in zip(grads_of(list(model.parameters())), want_grads):
+        torch.testing.assert_close(got, want)
