@@ -6,7 +6,8 @@ leaves of its input, so every layer's graph stands alone and both halves touch i
 
     forward   x ─┬─> layer 0 ─> o0 ┊ o0' ─> layer 1 ─> o1        (┊: detach, o0' a fresh leaf)
     B         g(o1) ─grad wrt o0'─> g(o0) ─grad wrt x─> g(x)     params skipped, graph kept
-    W         per layer: backward(o_l, g(o_l), inputs=params of layer l)
+    W         per layer: backward(o_l, g(o_l), inputs=params of layer l, and any other
+              parameter its graph reached the first time, e.g. one read through a closure)
 
 Built-in operators compute only the gradients asked for, so B does no weight work and W no
 input work; a custom autograd function that always computes both does its work twice.
@@ -14,6 +15,8 @@ input work; a custom autograd function that always computes both does its work t
 
 from __future__ import annotations
 
+import contextlib
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -177,12 +180,50 @@ def _whole_backward(
     return result
 
 
+_WEIGHTS: weakref.WeakKeyDictionary[object, list[nn.Parameter]] = weakref.WeakKeyDictionary()
+"""By layer: the parameters its W accumulates (see :func:`_weights_of`)."""
+
+
+def reached_parameters(tensors: Sequence[Tensor]) -> list[nn.Parameter]:
+    """The parameters that ``tensors``' autograd graph accumulates gradients into."""
+    found: list[nn.Parameter] = []
+    seen: set[int] = set()
+    stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)  # an AccumulateGrad: a leaf's end
+        if variable is not None:
+            if isinstance(variable, nn.Parameter) and all(variable is not p for p in found):
+                found.append(variable)
+            continue
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return found
+
+
+def _weights_of(run: LayerRun) -> list[nn.Parameter]:
+    """The parameters W accumulates for ``run``'s layer: its own, and any other that its graph
+    reached the first time (one it reads without registering it, through a closure or an
+    attribute autograd sees but ``parameters()`` does not), as a plain backward would."""
+    try:
+        params = _WEIGHTS.get(run.layer)
+    except TypeError:  # a layer no weak reference can point at (a built-in function)
+        params = None
+    if params is None:
+        own = list(run.layer.parameters()) if isinstance(run.layer, nn.Module) else []
+        reached = reached_parameters(run.outputs)
+        params = own + [p for p in reached if all(p is not q for q in own)]
+        with contextlib.suppress(TypeError):
+            _WEIGHTS[run.layer] = params
+    return [p for p in params if p.requires_grad]
+
+
 def weight_backward(pending: list[tuple[LayerRun, list[Tensor | None]]]) -> None:
     """W: accumulate every layer's weight gradients from the gradients of its outputs."""
     for run, grads in pending:
-        if not isinstance(run.layer, nn.Module):
-            continue
-        params = [p for p in run.layer.parameters() if p.requires_grad]
+        params = _weights_of(run)
         pairs = _pairs(run.outputs, grads)
         if params and pairs:
             torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs], inputs=params)

@@ -304,9 +304,12 @@ def _step_everywhere(
     return values(run_threads(fn, world))
 
 
-def _plain(model: nn.Module, x: Tensor, y: Tensor, loss_fn: Any) -> tuple[float, list[Tensor]]:
-    """The plain model's mean micro-batch loss and its gradients (4 micro-batches)."""
-    plain = __import__("copy").deepcopy(model)
+def _plain(
+    model: nn.Module, x: Tensor, y: Tensor, loss_fn: Any, copy: bool = True
+) -> tuple[float, list[Tensor]]:
+    """The plain model's mean micro-batch loss and its gradients (4 micro-batches), run on a
+    copy of ``model`` (or on ``model`` itself)."""
+    plain = __import__("copy").deepcopy(model) if copy else model
     total = 0.0
     for px, py in zip(x.chunk(4), y.chunk(4)):
         loss = loss_fn(plain(px), py) / 4
@@ -387,6 +390,34 @@ def test_a_target_given_as_a_tuple_of_one_reaches_the_loss_as_one() -> None:
 
     losses = _step_everywhere(model, [2, 2], "1f1b", "never", x, (y,), loss_fn)  # type: ignore[arg-type]
     want_loss, want_grads = _plain(model, x, y, mse)
+    assert losses == pytest.approx([want_loss] * 2, rel=1e-6)
+    for got, want in zip(grads_of(list(model.parameters())), want_grads):
+        torch.testing.assert_close(got, want)
+
+
+class _ReadsWeight(nn.Module):
+    """Multiplies by another layer's weight, which it reads without registering it."""
+
+    def __init__(self, other: nn.Linear) -> None:
+        super().__init__()
+        self.read = lambda h: h @ other.weight.t()
+
+    def forward(self, h: Tensor) -> Tensor:
+        return self.read(h)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_a_parameter_a_layer_reads_without_registering_gets_its_gradient(schedule: str) -> None:
+    # zero_bubble's W asked autograd only for each layer's own parameters
+    def make() -> nn.Sequential:
+        torch.manual_seed(0)
+        first = nn.Linear(8, 8)
+        return nn.Sequential(first, nn.Tanh(), _ReadsWeight(first), nn.Linear(8, 8))
+
+    model, plain = make(), make()  # not a deepcopy: the closure would keep the original layer
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    want_loss, want_grads = _plain(plain, x, y, mse, copy=False)
+    losses = _step_everywhere(model, [3, 1], schedule, "never", x, y, mse)
     assert losses == pytest.approx([want_loss] * 2, rel=1e-6)
     for got, want in zip(grads_of(list(model.parameters())), want_grads):
         torch.testing.assert_close(got, want)
