@@ -17,7 +17,16 @@ from .lazy import LazyModule
 from .partition import Layer
 from .precision import DTYPES
 from .recompute import POLICIES
-from .schedule import NAMES, Kind, Plan, PlanError, build, gpipe, stage_owners, validate
+from .schedule import (
+    NAMES,
+    Kind,
+    Plan,
+    PlanError,
+    build,
+    gpipe,
+    stage_owners,
+    validate,
+)
 from .trace import TraceWriter
 from .transport import Transport, TransportTimeout
 
@@ -118,6 +127,17 @@ def check_arguments(
             problems.append(f"the schedule plan is not valid: {e}")
             kinds.append(ValueError)
         else:
+            messages = sorted(
+                str(a) for r in schedule.values() for a in r if a and not a.kind.is_compute
+            )
+            if messages:
+                problems.append(
+                    f"the schedule plan holds sends and receives ({', '.join(messages[:3])}"
+                    f"{' ...' if len(messages) > 3 else ''}): pass it as a plan of compute "
+                    f"actions only (before asyncpipe.schedule.lower), as AsyncPipe adds the "
+                    f"messages itself, those of skip connections included"
+                )
+                kinds.append(ValueError)
             if not any(
                 a is not None and a.kind is Kind.BACKWARD for r in schedule.values() for a in r
             ):
@@ -235,6 +255,29 @@ def plan_factory(
         return lambda m: build("1f1b", ranks, m)
     name = str(schedule)
     return lambda m: build(name, ranks, m)
+
+
+def fixed_plan_start(runtime: Any, microbatches: int) -> int:
+    """For a plan the user gave, checked with the sends and receives between ranks added
+    (``lower``, with the pipeline's skips): the micro-batch of the first message this rank
+    receives from the segment before its first (:attr:`Runtime.first_microbatch`).
+
+    Raises:
+        ValueError: the plan cannot run once its messages are added."""
+    try:
+        row, _ = runtime.plan(microbatches, True)
+    except PlanError as e:
+        raise ValueError(
+            f"the schedule plan cannot run once the sends and receives between ranks are added "
+            f"(asyncpipe.schedule.lower, which AsyncPipe applies): {e}"
+        ) from e
+    seg = min(runtime.segments)
+    firsts = (
+        a.microbatch
+        for a in row
+        if a.kind is Kind.RECV_F and a.stage == seg and a.peer == seg - 1
+    )
+    return next(firsts, 0)
 
 
 def rpc_running() -> bool:

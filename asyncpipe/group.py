@@ -7,6 +7,7 @@ import contextlib
 import datetime
 import os
 import time
+import warnings
 import weakref
 from collections.abc import Mapping
 
@@ -20,6 +21,9 @@ __all__: list[str] = []
 _TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 _GROUPS = 0
+
+_SHUTDOWN_S = 300.0
+"""Seconds :func:`shutdown` waits for the other ranks: the timeout of the last :func:`init`."""
 """Default process groups :func:`init` has set up in this process. Every rank of a job calls
 it as often as the others, so the count (with torchrun's restart count) names each new group's
 keys alike on every rank."""
@@ -76,6 +80,8 @@ def init(
         >>> import asyncpipe
         >>> asyncpipe.init()  # doctest: +SKIP
     """
+    global _SHUTDOWN_S
+    _SHUTDOWN_S = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
     if not dist.is_initialized():
         _init_group(backend, timeout)
     pause_at_exit()
@@ -254,11 +260,19 @@ def shutdown() -> None:
     barrier: every rank's collectives are done, so none is left to clean up at exit; then pause
     for a moment, so that the group's worker threads (which torch may keep alive) have let go
     of the work they finished before the interpreter exits (see "Ending a job" in the
-    reliability guide).
+    reliability guide). Each wait for the other ranks lasts the timeout given to
+    :func:`init` at most: where a rank is gone or never gets here, this rank warns and ends
+    RPC and the group on its own.
 
     Example:
         >>> asyncpipe.shutdown()  # doctest: +SKIP
     """
+    end(alone=False)
+
+
+def end(alone: bool) -> None:
+    """:func:`shutdown`; ``alone``: a rank is known to be gone, so end RPC and the group on
+    this rank without waiting for the others."""
     from torch.distributed import rpc as torch_rpc
 
     try:
@@ -266,9 +280,26 @@ def shutdown() -> None:
         running = True
     except RuntimeError:
         running = False
-    if running:
-        torch_rpc.shutdown()
+    if running and alone:
+        torch_rpc.shutdown(graceful=False)
+    elif running:
+        try:  # torch ends RPC on this rank whatever happens, then raises what did
+            torch_rpc.shutdown(graceful=True, timeout=_SHUTDOWN_S)
+        except RuntimeError as e:
+            warnings.warn(
+                f"asyncpipe.shutdown: not every RPC worker reached shutdown within "
+                f"{_SHUTDOWN_S:.1f} s (a rank is gone or stuck); RPC ended on this rank alone: "
+                f"{str(e).splitlines()[0] if str(e) else type(e).__name__}",
+                stacklevel=2,
+            )
     if dist.is_initialized():
-        dist.barrier()
+        error = None if alone else wait_at_most(dist.barrier(async_op=True), _SHUTDOWN_S)
+        if error is not None:
+            warnings.warn(
+                f"asyncpipe.shutdown: the other ranks did not all reach shutdown within "
+                f"{_SHUTDOWN_S:.1f} s (a rank is gone or stuck); ending the process group on "
+                f"this rank alone: {str(error).splitlines()[0] if str(error) else 'no detail'}",
+                stacklevel=2,
+            )
         dist.destroy_process_group()
         time.sleep(_RELEASE_S)

@@ -260,15 +260,18 @@ def gather_codes(code: int, seconds: float, what: str) -> list[int]:
     return [int(t.item()) for t in everyone]
 
 
-def same_transport(name: str | None, timeout: float) -> None:
-    """Check, in one collective over the world, that every rank builds the transport ``name``:
-    a rank building another would wait in its own set-up (shm's is collective) or for messages
-    that never come, until the timeout. Raises ValueError naming each rank's choice.
+def same_transport(name: str | None, timeout: float, replicas: int = 1) -> None:
+    """Check, in one collective over the world, that every rank builds the transport ``name``
+    and as many pipeline replicas (``data_parallel_size``): a rank building another transport
+    would wait in its own set-up (shm's is collective) or for messages that never come, one
+    with other replicas in the collective creation of their groups, until the timeout. Raises
+    ValueError naming each rank's choices.
 
     ``name=None``: this rank rejected its own arguments and takes part only to tell the others,
     which raise a StageFailure naming it at once instead of waiting here until the timeout."""
+    kinds = len(_NAMES)
     codes = gather_codes(
-        _REFUSED if name is None else _NAMES.index(name),
+        _REFUSED if name is None else _NAMES.index(name) + kinds * (replicas - 1),
         timeout,
         "the other ranks in AsyncPipe's constructor, which compares the transport every rank "
         "builds: did the constructor fail on some rank, or is AsyncPipe not built there?",
@@ -278,12 +281,19 @@ def same_transport(name: str | None, timeout: float) -> None:
         return
     if refused:
         raise refusal("AsyncPipe cannot be built", refused, dist.get_rank())
-    names = [_NAMES[c] for c in codes]
+    names = [_NAMES[c % kinds] for c in codes]
     if len(set(names)) > 1:
         listed = ", ".join(f"rank {rank}: {n!r}" for rank, n in enumerate(names))
         raise ValueError(
             f"every rank must build the same transport ({listed}); pass the same transport= "
             f"on every rank"
+        )
+    sizes = [c // kinds + 1 for c in codes]
+    if len(set(sizes)) > 1:
+        listed = ", ".join(f"rank {rank}: {n}" for rank, n in enumerate(sizes))
+        raise ValueError(
+            f"every rank must pass the same data_parallel_size ({listed}); pass the same "
+            f"data_parallel_size= (and a balance for as many pipeline ranks) on every rank"
         )
 
 
@@ -326,7 +336,7 @@ def connect(
     with one replica). ``transport`` is a name or a ready Transport (one replica only); every
     rank of the world must name the same one (checked first)."""
     if isinstance(transport, str):
-        same_transport(transport, timeout)
+        same_transport(transport, timeout, data_parallel_size)
     layout = Layout(ranks, data_parallel_size)
     data_parallel_rank = 0
     pipeline_group = data_parallel_group = down_group = None

@@ -13,6 +13,7 @@ from .arguments import (
     agree,
     check_arguments,
     check_step,
+    fixed_plan_start,
     option_problems,
     plan_factory,
     same_everywhere,
@@ -183,8 +184,6 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
             transport, ranks, self.data_parallel_size, self.device, float(timeout)
         )
         self._averager: GradientAverager | None = None
-        if transport.world_size * virtual_stages != len(balance):
-            raise ValueError(world_mismatch(transport.world_size, len(balance), virtual_stages))
         self.transport = transport
         self.balance = list(balance)
         self.chunks = int(chunks)
@@ -205,17 +204,19 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
         self.stage = transport.rank
         self.num_stages = transport.world_size
         self.virtual_stages = virtual_stages
-        partitions, segments = partition(layers, balance, transport.world_size)
-        routes = find_routes(layers, segments)
-        self.partitions: list[Partition] = partitions
-        self.segments: list[Segment] = segments
         try:  # this rank's own: a failure here reaches the others in agree() below
+            if transport.world_size * virtual_stages != len(balance):
+                raise ValueError(world_mismatch(transport.world_size, len(balance), virtual_stages))
+            partitions, segments = partition(layers, balance, transport.world_size)
+            routes = find_routes(layers, segments)
+            self.partitions: list[Partition] = partitions
+            self.segments: list[Segment] = segments
             self._build_stage(module, layers, deferred_batch_norm)
+            owners = [seg.stage for seg in segments]
+            plan = plan_factory(schedule, owners, transport.world_size, virtual_stages)
         except Exception as e:
             refuse_exchange(transport, f"{type(e).__name__}: {e}", refusal_seconds(self.timeout))
             raise
-        owners = [seg.stage for seg in segments]
-        plan = plan_factory(schedule, owners, transport.world_size, virtual_stages)
         fields = same_everywhere(self, layers, schedule, shared_weights, trace is not None)
         local = {
             seg.index: [self.layers[inv.this.index] for inv in seg.invocations]
@@ -238,6 +239,8 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
             routes,
         )
         agree(self._runtime.exchange, self.stage, fields)  # before anything waits on the others
+        if isinstance(schedule, dict):  # the same plan everywhere now: it fails alike, or runs
+            self._runtime.first_microbatch = fixed_plan_start(self._runtime, self.chunks)
         self._shared = SharedWeights(
             shared_weights, layers, partitions, self.stage, global_rank, self.timeout
         )

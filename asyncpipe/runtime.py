@@ -95,6 +95,10 @@ class Runtime(FailureBlame, Compute):
         self.after_backward: Callable[[], None] | None = None
         """Called right after this rank's last backward action of a training step (e.g. to
         start averaging gradients while the rest of the pipeline finishes)."""
+        self.first_microbatch = 0
+        """The micro-batch of the first message from the segment before this rank's first
+        (where that is not segment 0), received before the step is planned: 0 in every plan
+        asyncpipe makes; a plan the user gave may start with another."""
         self.stop_requested = False
         """Set (e.g. by a signal handler) to tell every rank at the end of the step."""
         self.stop_agreed = False
@@ -188,7 +192,7 @@ class Runtime(FailureBlame, Compute):
             microbatches: int | None = None
             if 0 not in self.segments and resume is None:
                 seg = min(self.segments)
-                first_action = Action(seg, Kind.RECV_F, 0, seg - 1)
+                first_action = Action(seg, Kind.RECV_F, self.first_microbatch, seg - 1)
                 first = self.transport.recv(*self.channel(first_action), 0)
                 self._post_statuses()
                 current = str(first_action)

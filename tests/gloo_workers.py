@@ -84,9 +84,14 @@ def check_failed_constructor(results: list[tuple[str, str, int, float]], where: 
     built after it in the same processes matched the plain model on every rank."""
     for rank, (kind, text, culprit, loss) in enumerate(results):
         assert loss < 1e-6, (rank, loss)
+        own = {
+            "arguments": "chunks must be",
+            "world": "balance must have one entry per pipeline rank",
+            "plan": "schedule '1f1b' needs each rank to run one consecutive block",
+        }
         if rank == 1 or where == "build-all":
-            if where == "arguments":
-                assert kind == "ValueError" and "chunks must be" in text, text
+            if where in own:
+                assert kind == "ValueError" and own[where] in text, text
             else:
                 assert kind == "RuntimeError" and text == "no memory left for this layer", text
             continue
@@ -94,6 +99,8 @@ def check_failed_constructor(results: list[tuple[str, str, int, float]], where: 
         assert f"rank {rank} stops too" in text and "timed out" not in text, text
         if where == "arguments":
             assert "rank 1 rejected its arguments" in text, text
+        elif where in own:
+            assert f"failed on rank 1 (stage 1) with ValueError: {own[where]}" in text, text
         else:
             assert "failed on rank 1 (stage 1) with RuntimeError: no memory left" in text, text
 
@@ -671,18 +678,25 @@ def no_memory() -> nn.Module:
 def one_rank_cannot_build(rank: int, world: int, where: str, transport: str = "p2p") -> Any:
     """Build a pipeline whose constructor fails on rank 1 only: ``"arguments"``, a bad chunks
     there (rejected before connecting); ``"build"``, its LazyModule's factory raises (after
-    connecting); ``"build-all"``, every rank's does. Then build a good pipeline in the same
-    processes and run a step. ``transport`` as :func:`_transport` takes it. Returns (error
-    type, text, the error's rank or -1, the good step's loss minus the plain model's)."""
+    connecting); ``"build-all"``, every rank's does; ``"world"``, a balance with an entry
+    more than the world has ranks; ``"plan"``, schedule '1f1b' with a layer reused on two
+    stages (both found after connecting). Then build a good pipeline in the same processes and
+    run a step. ``transport`` as :func:`_transport` takes it. Returns (error type, text, the
+    error's rank or -1, the good step's loss minus the plain model's)."""
     layers: list[nn.Module | LazyModule] = [nn.Linear(4, 4) for _ in range(world)]
+    balance, schedule = [1] * world, "gpipe"
     if where == "build":
         layers[1] = LazyModule(no_memory)
     if where == "build-all":
         layers = [LazyModule(no_memory) for _ in range(world)]
+    if where == "world" and rank == 1:
+        layers, balance = layers + [nn.Linear(4, 4)], balance + [1]
+    if where == "plan" and rank == 1:  # the last stage runs a layer of the first again
+        layers, balance, schedule = layers + [layers[0]], [1] * (world - 1) + [2], "1f1b"
     chunks = 0 if where == "arguments" and rank == 1 else 2
     try:
         pipe = _transport(transport, "cpu")
-        AsyncPipe(layers, [1] * world, chunks=chunks, timeout=60, transport=pipe)
+        AsyncPipe(layers, balance, chunks=chunks, timeout=60, transport=pipe, schedule=schedule)
         seen: tuple[str, str, int] = ("no error", "", -1)
     except StageFailure as e:
         seen = ("StageFailure", str(e), e.rank)

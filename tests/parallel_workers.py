@@ -184,3 +184,16 @@ def replica_stops(rank: int, world: int) -> bool:
     x, y = torch.randn(8, 8), torch.randn(8, 8)
     pipe.step(x if pipe.is_first_stage else None, y if pipe.is_last_stage else None, mse)
     return pipe.stop_agreed
+
+
+def replicas_differ(rank: int, world: int) -> Any:
+    """Rank 1 alone asks for two replicas (and a balance for one pipeline rank each): every
+    rank is told at once, naming each rank's data_parallel_size. Before, rank 1 waited in the
+    creation of the replicas' groups and the other for its messages, each until a timeout."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    replicas, balance = (2, [2]) if rank == 1 else (1, [1, 1])
+    try:
+        AsyncPipe(model, balance, data_parallel_size=replicas, timeout=60)
+    except ValueError as e:
+        return "ValueError", str(e)
+    return "no error", ""

@@ -301,3 +301,38 @@ def named_workers(rank: int, world: int) -> Any:
     driver_error = abs(driver.step(x, y, mse) - want)
     driver.shutdown()
     return pipeline_error, driver_error, refusal
+
+
+class _SlowOnRankOne(nn.Module):
+    """A layer that sleeps ``seconds`` in its second forward on rank 1 (a stuck stage)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.lin, self.seconds, self.calls = nn.Linear(4, 4), seconds, 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        if torch.distributed.get_rank() == 1 and self.calls == 2:
+            time.sleep(self.seconds)
+        return self.lin(x)
+
+
+def driver_worker_stuck(rank: int, world: int) -> Any:
+    """Rank 1's stage is stuck in a layer for 25 s with a pipeline timeout of 3 s: the driver
+    raises without waiting for it (RPC's timeout is 120 s here). Returns the error's text and
+    how long the step took."""
+    asyncpipe.init(rpc=True, timeout=120)
+    if rank != 0:
+        asyncpipe.rpc.serve()
+        return "served"
+    model = nn.Sequential(nn.Linear(4, 4), _SlowOnRankOne(25.0))
+    pipe = asyncpipe.rpc.RemotePipe(model, [1, 1], chunks=2, timeout=3)
+    began = time.monotonic()
+    try:
+        pipe.step(torch.randn(4, 4), torch.randn(4, 4), mse)
+        seen = "no error"
+    except StageFailure as e:
+        seen = str(e)
+    took = time.monotonic() - began
+    pipe.shutdown()
+    return seen, took

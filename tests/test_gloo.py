@@ -147,6 +147,8 @@ def test_failure_reaches_every_rank(where: str, action: str) -> None:
         ("build-all", "shm"),
         ("build", "p2p-ordered"),
         ("build-all", "p2p-ordered"),
+        ("world", "p2p"),
+        ("plan", "shm"),
     ],
 )
 def test_a_constructor_that_fails_on_one_rank_stops_the_others_at_once(

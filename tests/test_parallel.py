@@ -10,6 +10,7 @@ from parallel_workers import (
     bf16_replicas,
     groups_released,
     replica_fails,
+    replicas_differ,
     replica_stops,
     saved_replicas,
     two_by_two,
@@ -59,6 +60,12 @@ def test_a_replica_that_takes_no_step_fails_the_others_within_twice_the_timeout(
         assert kind == "StageFailure" and stage == rank, (rank, kind, text)
         assert f"stage {rank} of replica 0 waited for the other replicas of its stage" in text
         assert "at most 4.0 s" in text, text
+
+
+def test_ranks_that_ask_for_different_replicas_say_so_at_once() -> None:
+    for kind, text in run_ranks(replicas_differ, 2, timeout=50):  # before: a 60 s timeout
+        assert kind == "ValueError", (kind, text)
+        assert "every rank must pass the same data_parallel_size (rank 0: 1, rank 1: 2)" in text
 
 
 def test_a_stop_asked_on_one_replica_is_agreed_by_every_rank() -> None:

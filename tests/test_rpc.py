@@ -10,6 +10,7 @@ from rpc_workers import (
     driver_elsewhere,
     driver_everywhere,
     driver_stage_cannot_build,
+    driver_worker_stuck,
     named_workers,
     outbox,
     outbox_peer_dies,
@@ -84,6 +85,14 @@ def test_a_stage_that_fails_to_build_is_named_by_the_driver_which_goes_on() -> N
     assert kind == "ValueError", (kind, text)
     assert text.startswith("building the stage of rank 1 failed: RuntimeError: no memory"), text
     assert loss < 1e-6
+
+
+def test_a_worker_stuck_in_its_layers_fails_the_drivers_step_within_its_timeout() -> None:
+    # The driver waited for the stuck worker's answer until its layer returned (or RPC's
+    # timeout), long after its own stage had timed out waiting for that worker.
+    seen, took = run_ranks(driver_worker_stuck, 2, timeout=150)[0]
+    assert "rank 1 (stage 1) sent nothing" in seen, seen
+    assert took < 18, took  # twice the pipeline's timeout and some; the layer sleeps 25 s
 
 
 def test_workers_stop_serving_when_the_driver_dies() -> None:

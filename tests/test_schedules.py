@@ -104,6 +104,37 @@ def test_invalid_custom_plan_fails_in_the_constructor() -> None:
         AsyncPipe(mlp(2), [1, 1], schedule=plan, transport=_dummy(2))
 
 
+def test_a_custom_plan_whose_forwards_start_with_another_micro_batch_matches() -> None:
+    # a rank without the first stage took its first message as micro-batch 0's
+    plan = {0: acts("0F1 0F0 0B0 0B1"), 1: acts("1F1 1F0 1B0 1B1")}
+    model = mlp(2)
+    losses, _, x, y = run(model, [1, 1], 2, "never", plan, rows=4)
+    want_loss, want_grads = reference(model, x, y, 2, mse)
+    assert losses == pytest.approx([want_loss] * 2, rel=1e-6)
+    for got, want in zip(grads_of(list(model.parameters())), want_grads):
+        torch.testing.assert_close(got, want)
+
+
+def test_a_custom_plan_that_cannot_run_with_its_messages_fails_in_the_constructor() -> None:
+    # validate accepts it without messages; lowered, rank 1 receives 1 before 0, which rank 0
+    # sends after 0: every rank refuses it in the constructor, not at the first step
+    plan = {0: acts("0F0 0F1 0B0 0B1"), 1: acts("1F1 1F0 1B0 1B1")}
+
+    def build(rank: int, transport: Transport) -> None:
+        AsyncPipe(mlp(2), [1, 1], chunks=2, schedule=plan, transport=transport, timeout=10)
+
+    for status, error in run_threads(build, 2):
+        assert status == "error" and isinstance(error, ValueError), error
+        assert "cannot run once the sends and receives between ranks are added" in str(error)
+        assert "must be received in the order they are sent" in str(error)
+
+
+def test_a_lowered_custom_plan_is_refused_with_the_fix() -> None:
+    plan = lower({0: acts("0F0 0B0"), 1: acts("1F0 1B0")})
+    with pytest.raises(ValueError, match=r"holds sends and receives .*before asyncpipe.schedule"):
+        AsyncPipe(mlp(2), [1, 1], chunks=1, schedule=plan, transport=_dummy(2))
+
+
 def test_custom_plan_without_backwards_fails_in_the_constructor() -> None:
     plan = {0: [Action.parse("0F0")], 1: [Action.parse("1F0")]}
     with pytest.raises(ValueError, match="plan has no backward actions, so pipe.step"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import pickle
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -169,7 +170,22 @@ class RemotePipe:
             for r in range(1, self.stages)
         }
         outcomes = [remote.run(self.name, fn, per_rank(0))]
+        deadline: float | None = None
         for r in range(1, self.stages):
+            if deadline is None and any(o[0] != "ok" for o in outcomes):
+                # A stage failed: the others learn of it within the pipeline's timeout, so a
+                # worker that has not answered by then is stuck in its own work (a layer that
+                # never returns), and its answer is not waited for (RPC's timeout is longer).
+                deadline = time.monotonic() + self.pipe.timeout
+            if deadline is not None and not _done_by(futures[r], deadline):
+                outcomes.append((
+                    "error",
+                    f"rank {r} ({self.workers[r]}) did not answer within {self.pipe.timeout:.1f} "
+                    f"s (the pipeline's timeout) after a stage failed: it is stuck in its "
+                    f"stage's work",
+                    r, -1, -1, "",
+                ))  # fmt: skip
+                continue
             try:
                 outcomes.append(futures[r].wait())
             except Exception as e:  # the worker itself went away
@@ -274,16 +290,26 @@ class RemotePipe:
         except Exception as e:  # a worker that is gone, a trace that could not be written
             warnings.warn(f"closing the stages failed, shutting down anyway: {e}", stacklevel=2)
         self._closed = True
+        gone = False
         for r in range(self.stages):
             try:
                 self._call_one(r, remote.drop)
                 if r:
                     torch_rpc.rpc_sync(self.workers[r], remote.release, args=())
-            except Exception:  # noqa: S112 - a worker that is gone has nothing to release
-                continue
-        from ..group import shutdown
+            except Exception:  # a worker that is gone has nothing to release
+                gone = True
+        from ..group import end
 
-        shutdown()
+        end(alone=gone)  # with a worker gone, nobody waits for it
+
+
+def _done_by(future: torch.futures.Future[Any], deadline: float) -> bool:
+    """Whether ``future`` completes before ``deadline`` (a ``time.monotonic()`` reading)."""
+    while not future.done():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 PipeRPCWrapper = RemotePipe
