@@ -273,9 +273,7 @@ def fixed_plan_start(runtime: Any, microbatches: int) -> int:
         ) from e
     seg = min(runtime.segments)
     firsts = (
-        a.microbatch
-        for a in row
-        if a.kind is Kind.RECV_F and a.stage == seg and a.peer == seg - 1
+        a.microbatch for a in row if a.kind is Kind.RECV_F and a.stage == seg and a.peer == seg - 1
     )
     return next(firsts, 0)
 

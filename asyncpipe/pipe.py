@@ -579,9 +579,9 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
                 "every stage: pipe.step(x, y, loss_fn, optimizer=optimizer, max_norm=1.0)"
             )
         repeated = self._shared.repeated()  # copies of a shared weight count once
-        params = [p for p in self.parameters() if p.grad is not None]
-        counted = [p.grad.detach() for p in params if id(p) not in repeated]
-        grads = [p.grad.detach() for p in params]
+        pairs = [(id(p), g.detach()) for p in self.parameters() if (g := p.grad) is not None]
+        counted = [g for key, g in pairs if key not in repeated]
+        grads = [g for _, g in pairs]
         return clip_norm(grads, self._runtime.exchange, max_norm, norm_type, counted)
 
     def extra_repr(self) -> str:

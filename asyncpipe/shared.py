@@ -160,7 +160,7 @@ class SharedWeights:
         """The ids of this rank's copies that a norm over every stage leaves out so that each
         group counts once, as the tied parameter does in the plain model: all copies but the
         lowest owner's first."""
-        left_out = set()
+        left_out: set[int] = set()
         for g in self.groups:
             first = 1 if g.owners and g.owners[0] == self.rank else 0
             left_out.update(id(p) for p in g.local[first:])

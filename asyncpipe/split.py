@@ -19,6 +19,7 @@ import contextlib
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -188,7 +189,7 @@ def reached_parameters(tensors: Sequence[Tensor]) -> list[nn.Parameter]:
     """The parameters that ``tensors``' autograd graph accumulates gradients into."""
     found: list[nn.Parameter] = []
     seen: set[int] = set()
-    stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
+    stack: list[Any] = [t.grad_fn for t in tensors if t.grad_fn is not None]
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:

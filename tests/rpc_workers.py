@@ -180,13 +180,19 @@ def driver_everywhere(rank: int, world: int) -> Any:
 
 
 def driver_stage_cannot_build(rank: int, world: int) -> Any:
-    """The stage of rank 1 fails to build (its LazyModule's factory raises): the driver names
-    it, and a pipeline built after it on the same workers trains."""
+    """A lambda optimizer factory is refused before anything is sent; the stage of rank 1
+    fails to build (its LazyModule's factory raises): the driver names it, and a pipeline
+    built after it on the same workers trains."""
     asyncpipe.init(rpc=True)
     if rank != 0:
         asyncpipe.rpc.serve()
         return "served"
     layers: list[nn.Module | LazyModule] = [nn.Linear(4, 4) for _ in range(world)]
+    try:  # refused before anything is sent: the workers go on serving
+        asyncpipe.rpc.RemotePipe(layers, [1] * world, optimizer=lambda p: torch.optim.SGD(p))
+        raise AssertionError("a lambda optimizer factory was sent")
+    except TypeError as e:
+        assert "the optimizer factory is sent to other processes" in str(e), e
     layers[1] = LazyModule(no_memory)
     try:
         asyncpipe.rpc.RemotePipe(layers, [1] * world, chunks=2, timeout=60)

@@ -10,8 +10,8 @@ from parallel_workers import (
     bf16_replicas,
     groups_released,
     replica_fails,
-    replicas_differ,
     replica_stops,
+    replicas_differ,
     saved_replicas,
     two_by_two,
 )

@@ -108,6 +108,8 @@ class RemotePipe:
                 "rank instead, or pick another schedule"
             )
         world = dist.get_world_size()
+        if optimizer is not None and world > 1:
+            _sendable(optimizer, "the optimizer factory")
         known = worker_names() if worker_map is None else worker_map
         self.workers = {r: known.get(r, f"worker{r}") for r in range(world)}
         if self.workers[0] != me.name:

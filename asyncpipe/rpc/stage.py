@@ -54,8 +54,9 @@ class Stages:
             optimizer = cls._optimizers.get(name)
         if optimizer is None:
             raise RuntimeError(
-                f"pipeline {name!r} has no optimizer: pass optimizer=lambda params: ... (a "
-                f"picklable factory, e.g. functools.partial(torch.optim.SGD, lr=0.1)) to RemotePipe"
+                f"pipeline {name!r} has no optimizer: pass RemotePipe an optimizer factory "
+                f"that takes the parameters, picklable (it is sent to the workers: not a "
+                f"lambda), e.g. optimizer=functools.partial(torch.optim.SGD, lr=0.1)"
             )
         return optimizer
 

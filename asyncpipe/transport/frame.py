@@ -157,7 +157,7 @@ def views(
     each requiring grad as its spec says (only where they are the tensors received: a copy to
     another device must be made from views that do not)."""
     tensors: list[Tensor | None] = []
-    storage, start = buffer.untyped_storage(), buffer.storage_offset()
+    storage, start = buffer.untyped_storage(), int(buffer.storage_offset())
     for (code, requires_grad, shape), offset in zip(specs, offsets):
         if code < 0:
             tensors.append(None)
@@ -171,7 +171,11 @@ def views(
             data = own_version(buffer[offset : offset + nbytes(code, shape)].view(dtype))
             data = data.view(shape)
         else:
-            data = torch.empty(0, dtype=dtype, device=buffer.device).set_(storage, at, shape)
+            strides = [1] * len(shape)
+            for n in range(len(shape) - 1, 0, -1):
+                strides[n - 1] = strides[n] * shape[n]
+            data = torch.empty(0, dtype=dtype, device=buffer.device)
+            data.set_(storage, at, shape, strides)
         tensors.append(data.requires_grad_(True) if grad and requires_grad else data)
     return tensors
 
