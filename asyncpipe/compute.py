@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .alias import alias, aliases, copies
+from .alias import alias, aliases, copies, own_version
 from .batchnorm import paused
 from .failure import loss_hint
 from .microbatch import Tensors, as_tensors
@@ -61,6 +61,13 @@ class Compute:
     def _input(self, work: Work, seg: int, i: int) -> Tensors:
         if seg == 0:
             assert work.inputs is not None
+            if work.caller_inputs:  # leaves, whose gradients go back in one go (see backward)
+                return tuple(
+                    own_version(t.detach()).requires_grad_(True)
+                    if t.requires_grad and t.is_floating_point()
+                    else t
+                    for t in work.inputs[i]
+                )
             return work.inputs[i]
         if (seg, i) in work.feed:
             return leaves(work.feed.pop((seg, i)))
@@ -243,10 +250,6 @@ class Compute:
                 work.runs.pop((seg, i)), given, stash_grads
             )
             skip_grads = stash_grads  # now: the gradients of the skips popped here
-            if seg == 0:  # the caller's input asks for gradients: they flow on into its graph
-                pairs = [(t, g) for t, g in zip(x, x_grads) if g is not None and t.requires_grad]
-                if pairs:
-                    torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         else:
             for key, tensor in stashed.items():
                 g = stash_grads.get(key)
@@ -255,15 +258,19 @@ class Compute:
                     grads.append(_like(g, tensor))
             if roots:
                 torch.autograd.backward(roots, grads)
-            # the leaves' gradients, for the stage before (segment 0's inputs are the
-            # caller's, whose gradients autograd has given to the caller's graph)
-            x_grads = [t.grad if t.requires_grad and seg > 0 else None for t in x]
+            # the leaves' gradients (segment 0's only where the caller's input wants them)
+            leaf = seg > 0 or bool(work.caller_inputs)
+            x_grads = [t.grad if t.requires_grad and leaf else None for t in x]
             skip_grads = {
                 k: t.grad if t is not None and t.requires_grad else None for k, t in skips.items()
             }
             work.live -= 1
         if seg > 0:
             work.grads[(seg - 1, i)] = tuple(x_grads)
+        elif work.caller_inputs:
+            work.input_grads[i] = x_grads
+            if len(work.input_grads) == work.microbatches:
+                _to_caller(work)
         for source, keys in self.routes.incoming.get(seg, {}).items():
             back = {k: skip_grads.get(k) for k in keys}
             if self.owners[source] == self.rank:  # hand back: no message
@@ -274,6 +281,25 @@ class Compute:
     def weight(self, work: Work, action: Action) -> None:
         weight_backward(work.weights.pop((action.stage, action.microbatch)))
         work.live -= 1
+
+
+def _to_caller(work: Work) -> None:
+    """Back-propagate the gradients of segment 0's input leaves, every micro-batch's joined
+    along the batch dimension and divided by the loss scale, into the caller's input: one
+    backward, as the plain model's, so a graph the caller built before the step (shared by
+    every micro-batch) is gone through once."""
+    roots, grads = [], []
+    for n, tensor in enumerate(work.caller_inputs):
+        parts = [work.input_grads[i][n] for i in range(work.microbatches)]
+        if not tensor.requires_grad or all(g is None for g in parts):
+            continue
+        pieces = torch.chunk(tensor.detach(), work.microbatches)  # as scatter cut them
+        joined = torch.cat([torch.zeros_like(p) if g is None else g for p, g in zip(pieces, parts)])
+        roots.append(tensor)
+        grads.append(joined / work.loss_scale if work.loss_scale != 1.0 else joined)
+    work.input_grads.clear()
+    if roots:
+        torch.autograd.backward(roots, grads)
 
 
 def _like(grad: Tensor | None, tensor: Tensor) -> Tensor | None:

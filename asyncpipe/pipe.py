@@ -425,6 +425,12 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
             self._recorder.close(drain=self._broken is None)
 
     def _scatter(self, value: object, what: str, microbatches: int | None) -> list[Tensors]:
+        return self._split(value, what, microbatches)[1]
+
+    def _split(
+        self, value: object, what: str, microbatches: int | None
+    ) -> tuple[Tensors, list[Tensors]]:
+        """``value``'s tensors (on this rank's device) and their micro-batches."""
         if value is None:
             raise ValueError(
                 f"the {what} is needed on stage {self.stage}, which runs the "
@@ -447,7 +453,7 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
                 f"input and target of the same batch size"
                 + (", a multiple of chunks" if self._stream is not None else "")
             )
-        return pieces
+        return tensors, pieces
 
     def _prepare(
         self,
@@ -458,8 +464,9 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
     ) -> Callable[[int | None], Work]:
         def prepare(microbatches: int | None) -> Work:
             inputs = targets = None
+            caller: Tensors = ()
             if self.is_first_stage:
-                inputs = self._scatter(input, "input", None)
+                caller, inputs = self._split(input, "input", None)
                 microbatches = len(inputs)
             if self.is_last_stage and loss_fn is not None and target is not None:
                 targets = self._scatter(target, "target", microbatches)
@@ -481,6 +488,8 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
                 work.tuples.update((-1, i) for i in range(microbatches))  # as nn.Sequential
             if targets and isinstance(target, (tuple, list)) and len(target) == 1:
                 work.single_target = True  # loss_fn gets each micro-batch's as given
+            if train and any(t.requires_grad for t in caller):
+                work.caller_inputs = caller
             return work
 
         return prepare

@@ -46,6 +46,12 @@ class Work:
     microbatches: int
     train: bool
     inputs: list[Tensors] | None = None
+    caller_inputs: Tensors = ()
+    """The step's input as the caller gave it, where some of it requires grad: segment 0 runs
+    on leaves of its micro-batches, whose gradients go back into the caller's graph once, when
+    every micro-batch's are known (see ``Compute.backward``)."""
+    input_grads: dict[int, list[Tensor | None]] = field(default_factory=dict)
+    """By micro-batch: the gradients of segment 0's input leaves."""
     targets: list[Tensors] | None = None
     single_target: bool = False
     """The target was a tuple (or list) of one tensor, which ``loss_fn`` gets as that tuple."""

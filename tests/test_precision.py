@@ -239,3 +239,24 @@ def test_reduced_precision_with_interleaved_and_clipping(dtype: torch.dtype) -> 
         assert norm == pytest.approx(want_norm, rel=0.05)
     for got, want in zip(grads_of(list(model.parameters())), want_grads):
         torch.testing.assert_close(got, want, atol=0.02, rtol=0.05)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_float16_gives_the_input_its_unscaled_gradient(schedule: str) -> None:
+    # the input's gradient was left multiplied by the loss scale (2**16)
+    model = mlp(4, seed=5)
+    torch.manual_seed(6)
+    x, y = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8)
+    plain_x = x.detach().clone().requires_grad_(True)
+    plain = copy.deepcopy(model)
+    for px, py in zip(plain_x.chunk(4), y.chunk(4)):
+        (mse(plain(px), py) / 4).backward()
+
+    def fn(pipe: AsyncPipe) -> bool:
+        pipe.step(x, y, mse)
+        return pipe.overflow
+
+    overflows = _pipes(model, [2, 2], fn, chunks=4, schedule=schedule, autocast=torch.float16)
+    assert overflows == [False, False]
+    assert x.grad is not None and plain_x.grad is not None
+    torch.testing.assert_close(x.grad, plain_x.grad, atol=0.02, rtol=0.05)

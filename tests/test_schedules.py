@@ -452,3 +452,23 @@ def test_a_parameter_a_layer_reads_without_registering_gets_its_gradient(schedul
     assert losses == pytest.approx([want_loss] * 2, rel=1e-6)
     for got, want in zip(grads_of(list(model.parameters())), want_grads):
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero_bubble", "interleaved"])
+@pytest.mark.parametrize("policy", ["never", "except_last"])
+def test_an_input_from_the_callers_own_graph_gets_its_gradient(schedule: str, policy: str) -> None:
+    # every micro-batch's backward went into the caller's graph, which they share: the second
+    # failed ("backward through the graph a second time")
+    torch.manual_seed(0)
+    model, embed = mlp(4), nn.Linear(8, 8)
+    plain, plain_embed = __import__("copy").deepcopy(model), __import__("copy").deepcopy(embed)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    balance = [1, 1, 1, 1] if schedule == "interleaved" else [2, 2]
+    losses = _step_everywhere(model, balance, schedule, policy, embed(x), y, mse)
+    want = sum(mse(plain(px), py) / 4 for px, py in zip(plain_embed(x).chunk(4), y.chunk(4)))
+    want.backward()  # type: ignore[union-attr]
+    want_loss = float(want.detach())  # type: ignore[union-attr]
+    assert losses == pytest.approx([want_loss] * 2, rel=1e-6)
+    for got, want in zip([*model.parameters(), *embed.parameters()],
+                         [*plain.parameters(), *plain_embed.parameters()]):  # fmt: skip
+        torch.testing.assert_close(got.grad, want.grad)
