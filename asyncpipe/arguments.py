@@ -257,27 +257,6 @@ def plan_factory(
     return lambda m: build(name, ranks, m)
 
 
-def fixed_plan_start(runtime: Any, microbatches: int) -> int:
-    """For a plan the user gave, checked with the sends and receives between ranks added
-    (``lower``, with the pipeline's skips): the micro-batch of the first message this rank
-    receives from the segment before its first (:attr:`Runtime.first_microbatch`).
-
-    Raises:
-        ValueError: the plan cannot run once its messages are added."""
-    try:
-        row, _ = runtime.plan(microbatches, True)
-    except PlanError as e:
-        raise ValueError(
-            f"the schedule plan cannot run once the sends and receives between ranks are added "
-            f"(asyncpipe.schedule.lower, which AsyncPipe applies): {e}"
-        ) from e
-    seg = min(runtime.segments)
-    firsts = (
-        a.microbatch for a in row if a.kind is Kind.RECV_F and a.stage == seg and a.peer == seg - 1
-    )
-    return next(firsts, 0)
-
-
 def rpc_running() -> bool:
     """Whether ``torch.distributed.rpc`` is set up in this process."""
     from torch.distributed import rpc

@@ -13,7 +13,6 @@ from .arguments import (
     agree,
     check_arguments,
     check_step,
-    fixed_plan_start,
     option_problems,
     plan_factory,
     same_everywhere,
@@ -240,7 +239,7 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
         )
         agree(self._runtime.exchange, self.stage, fields)  # before anything waits on the others
         if isinstance(schedule, dict):  # the same plan everywhere now: it fails alike, or runs
-            self._runtime.first_microbatch = fixed_plan_start(self._runtime, self.chunks)
+            self._runtime.check_fixed_plan(self.chunks)
         self._shared = SharedWeights(
             shared_weights, layers, partitions, self.stage, global_rank, self.timeout
         )

@@ -24,7 +24,7 @@ from .compute import Compute, warm_autograd
 from .failure import Failed, MismatchedBatch, StageFailure, StepReport
 from .labels import profiler_range
 from .microbatch import Tensors
-from .schedule import Action, Kind, Plan, forward_only, lower, validate
+from .schedule import Action, Kind, Plan, PlanError, forward_only, lower, validate
 from .schedule.messages import misordered_pair, settle_points
 from .skip.routes import SkipRoutes
 from .transport import Message, PendingRecv, Transport
@@ -133,6 +133,27 @@ class Runtime(FailureBlame, Compute):
             self._plans[key] = (row, split)
             self._settle[key] = settle_points(plan, self.rank)
         return self._plans[key]
+
+    def check_fixed_plan(self, microbatches: int) -> None:
+        """For a plan the user gave: check it with the sends and receives between ranks added
+        (``lower``, with the pipeline's skips), and learn :attr:`first_microbatch` from it.
+
+        Raises:
+            ValueError: the plan cannot run once its messages are added."""
+        try:
+            row, _ = self.plan(microbatches, True)
+        except PlanError as e:
+            raise ValueError(
+                f"the schedule plan cannot run once the sends and receives between ranks are "
+                f"added (asyncpipe.schedule.lower, which AsyncPipe applies): {e}"
+            ) from e
+        seg = min(self.segments)
+        firsts = (
+            a.microbatch
+            for a in row
+            if a.kind is Kind.RECV_F and a.stage == seg and a.peer == seg - 1
+        )
+        self.first_microbatch = next(firsts, 0)
 
     def channel(self, action: Action) -> tuple[int, int]:
         """(peer rank, channel) of a send or receive: each (sending segment, receiving segment,

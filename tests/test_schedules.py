@@ -318,21 +318,9 @@ def _step_everywhere(
 ) -> list[float]:
     """One step on ``world`` in-process ranks (4 micro-batches); each rank's loss."""
     virtual = len(balance) // world
-
-    def fn(rank: int, transport: Transport) -> float:
-        pipe = AsyncPipe(
-            model,
-            balance,
-            chunks=4,
-            checkpoint=policy,
-            schedule=schedule,
-            virtual_stages=virtual,
-            transport=transport,
-            timeout=10,
-        )
-        return pipe.step(x, y, loss_fn)
-
-    return values(run_threads(fn, world))
+    return run_pipes(
+        model, balance, 4, policy, schedule, 0, virtual, world, batch=(x, y), loss_fn=loss_fn
+    )[0]
 
 
 def _plain(

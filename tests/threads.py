@@ -59,16 +59,22 @@ def run_pipes(
     world: int | None = None,
     seed: int = 3,
     hub_type: HubFactory = InProcessHub,
+    batch: tuple[Any, Any] | None = None,
+    loss_fn: Any = None,
 ) -> tuple[list[float], list[Any], Any, Any]:
-    """One ``step`` of ``AsyncPipe(model, ...)`` on in-process ranks, on a seeded (rows, 8)
-    batch; returns each rank's loss and pipe, and the batch."""
+    """One ``step`` of ``AsyncPipe(model, ...)`` on in-process ranks, on ``batch`` (default: a
+    seeded (rows, 8) one) with ``loss_fn`` (default: mse); returns each rank's loss and pipe,
+    and the batch."""
     import torch
     from torch import nn
 
     from asyncpipe import AsyncPipe
 
-    torch.manual_seed(seed)
-    x, y = torch.randn(rows, 8), torch.randn(rows, 8)
+    if batch is None:
+        torch.manual_seed(seed)
+        batch = torch.randn(rows, 8), torch.randn(rows, 8)
+    x, y = batch
+    loss_fn = loss_fn or nn.functional.mse_loss
 
     def fn(rank: int, transport: Transport) -> tuple[float, AsyncPipe]:
         pipe = AsyncPipe(
@@ -81,7 +87,7 @@ def run_pipes(
             transport=transport,
             timeout=10,
         )
-        return pipe.step(x, y, nn.functional.mse_loss), pipe
+        return pipe.step(x, y, loss_fn), pipe
 
     results = values(run_threads(fn, world or len(balance), hub_type=hub_type))
     return [r[0] for r in results], [r[1] for r in results], x, y

@@ -17,7 +17,6 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..alias import own_version
 from .base import Message
 
 __all__: list[str] = []
@@ -165,17 +164,13 @@ def views(
         dtype = DTYPES[code]
         # Each its own tensor over the buffer's memory rather than a view of the buffer: the
         # tensors of a message then count their in-place changes apart, as the plain model's
-        # do (see ``alias.own_version``).
-        at, rest = divmod(start + offset, dtype.itemsize)
-        if rest:  # a buffer that starts off its dtypes' alignment
-            data = own_version(buffer[offset : offset + nbytes(code, shape)].view(dtype))
-            data = data.view(shape)
-        else:
-            strides = [1] * len(shape)
-            for n in range(len(shape) - 1, 0, -1):
-                strides[n - 1] = strides[n] * shape[n]
-            data = torch.empty(0, dtype=dtype, device=buffer.device)
-            data.set_(storage, at, shape, strides)
+        # do (see ``alias.own_version``). Buffers start their own storage and ``layout``
+        # aligns every tensor to 64 bytes, so the offset is a whole number of elements.
+        strides = [1] * len(shape)
+        for n in range(len(shape) - 1, 0, -1):
+            strides[n - 1] = strides[n] * shape[n]
+        data = torch.empty(0, dtype=dtype, device=buffer.device)
+        data.set_(storage, (start + offset) // dtype.itemsize, shape, strides)
         tensors.append(data.requires_grad_(True) if grad and requires_grad else data)
     return tensors
 
