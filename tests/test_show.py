@@ -224,6 +224,10 @@ def test_cli_unknown_schedule(tmp_path: Path) -> None:
         ),
         (["--schedule", "gpipe", "--stages", "2", "--chunks", "2", "--send", "-1"], ">= 0"),
         (["--plan", "missing.txt"], "cannot read plan file 'missing.txt'"),
+        (  # it was ignored before: a plan has sends and receives only once lowered
+            ["--schedule", "1f1b", "--stages", "2", "--chunks", "2", "--post", "0.5"],
+            "add --lower, or drop --post",
+        ),
         (  # it ran out of memory (gigabytes) before: no plan that size can be shown
             ["--schedule", "1f1b", "--stages", "1000", "--chunks", "10000"],
             "about 20,000,000 actions, more than this command shows (200,000",

@@ -264,6 +264,11 @@ def _show(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise PlanError(str(e)) from e
         described += ", lowered"
+    if args.post and not any(a.kind.is_send or a.kind.is_recv for row in plan.values() for a in row):
+        raise _UsageError(
+            "--post is the cost of a send or receive action, and this plan has none (a plan "
+            "lists them only once lowered): add --lower, or drop --post"
+        )
     validate(plan)
     costs = Costs(
         forward=args.forward,
