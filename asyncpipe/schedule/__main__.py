@@ -264,7 +264,9 @@ def _show(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise PlanError(str(e)) from e
         described += ", lowered"
-    messages = any(a.kind.is_send or a.kind.is_recv for row in plan.values() for a in row)
+    messages = any(
+        a is not None and (a.kind.is_send or a.kind.is_recv) for row in plan.values() for a in row
+    )
     if args.post and not messages:
         raise _UsageError(
             "--post is the cost of a send or receive action, and this plan has none (a plan "
