@@ -6,6 +6,7 @@ import copy
 import functools
 import os
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -342,3 +343,39 @@ def driver_worker_stuck(rank: int, world: int) -> Any:
     took = time.monotonic() - began
     pipe.shutdown()
     return seen, took
+
+
+def _exits(pipe: AsyncPipe) -> int:
+    if pipe.stage == 1:
+        raise SystemExit(2)
+    return pipe.stage
+
+
+def _ends(pipe: AsyncPipe) -> int:
+    if pipe.stage == 1:
+        os._exit(5)
+    return pipe.stage
+
+
+def driver_worker_exits(rank: int, world: int) -> Any:
+    """A function of foreach_worker raises SystemExit on rank 1, then one ends rank 1's
+    process: the driver's errors name the stage and function, then the worker as gone (RPC
+    passed on "SystemExit: 2" without either, and a bare "eof" for calls to a lost
+    worker)."""
+    asyncpipe.init(rpc=True)
+    if rank != 0:
+        asyncpipe.rpc.serve(timeout=20)
+        return "served"
+    pipe = asyncpipe.rpc.RemotePipe(mlp(2), [1, 1], chunks=1, timeout=20)
+    seen = []
+    for call in (lambda: pipe.foreach_worker(_exits), lambda: pipe.foreach_worker(_ends),
+                 pipe.state_dict):  # fmt: skip
+        try:
+            call()
+            seen.append(("returned", ""))
+        except StageFailure as e:
+            seen.append((e.rank, str(e)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # closing the stages fails: a worker is gone
+        pipe.shutdown()
+    return seen

@@ -10,6 +10,7 @@ from rpc_workers import (
     driver_elsewhere,
     driver_everywhere,
     driver_stage_cannot_build,
+    driver_worker_exits,
     driver_worker_stuck,
     named_workers,
     outbox,
@@ -102,6 +103,15 @@ def test_workers_stop_serving_when_the_driver_dies() -> None:
     assert status == "ok"
     assert "the driver ('worker0') went away without shutting down" in message
     assert seconds < 60
+
+
+def test_a_worker_that_exits_or_is_gone_is_named_by_the_driver() -> None:
+    results = run_ranks_raw(driver_worker_exits, 2, timeout=120, may_die=True)
+    assert results[1] == ("died", 5)
+    (exits, exit_text), *gone = results[0][1]
+    assert exits == 1 and "stage 1 (rank 1) raised in _exits: SystemExit: 2" in exit_text
+    for rank, text in gone:  # the function that ended the process, then state_dict
+        assert rank == 1 and "rank 1 (worker1) is gone: its process ended" in text, text
 
 
 def test_messages_sent_faster_than_acknowledged_share_remote_calls() -> None:

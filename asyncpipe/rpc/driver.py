@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import pickle
+import re
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -191,7 +192,7 @@ class RemotePipe:
             try:
                 outcomes.append(futures[r].wait())
             except Exception as e:  # the worker itself went away
-                outcomes.append(("error", f"{type(e).__name__}: {e}", r, -1, -1, ""))
+                outcomes.append(("error", _unanswered(r, self.workers[r], e), r, -1, -1, ""))
         errors = [o for o in outcomes if o[0] != "ok"]
         if errors:
             # The stage that failed first names itself; the others report having seen it.
@@ -303,6 +304,23 @@ class RemotePipe:
         from ..group import end
 
         end(alone=gone)  # with a worker gone, nobody waits for it
+
+
+_GONE = re.compile(r"\beof\b|closed|reset by peer|broken pipe|refused|shut ?down", re.IGNORECASE)
+"""What RPC's errors say when the connection to a worker is gone."""
+
+
+def _unanswered(rank: int, worker: str, error: Exception) -> str:
+    """Why worker ``rank`` gave no answer to a call, from RPC's ``error``."""
+    said = error_line(error)
+    if _GONE.search(said):
+        return (
+            f"rank {rank} ({worker}) is gone: its process ended or its connection closed "
+            f"(RPC: {said}); a worker must stay in asyncpipe.rpc.serve() until the driver shuts "
+            f"down, and a pipeline that lost one cannot go on: start it again (from a "
+            f"checkpoint, if you saved one)"
+        )
+    return f"rank {rank} ({worker}) did not answer: {type(error).__name__}: {said}"
 
 
 def _done_by(future: torch.futures.Future[Any], deadline: float) -> bool:

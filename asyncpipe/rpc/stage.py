@@ -79,7 +79,8 @@ def run(name: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> Outcome:
         return ("ok", fn(Stages.get(name), *args))
     except StageFailure as e:
         return ("error", str(e), e.rank, e.stage, e.microbatch, e.action)
-    except Exception as e:  # the function itself (foreach_worker's, an optimizer's) raised
+    except BaseException as e:  # the function itself (foreach_worker's, an optimizer's) raised
+        # (a SystemExit too: RPC would pass on its bare text without the stage or function)
         rank = Stages.get(name).stage if name in Stages._pipes else -1
         what = getattr(fn, "__name__", repr(fn))
         text = f"stage {rank} (rank {rank}) raised in {what}: {type(e).__name__}: {e}"
