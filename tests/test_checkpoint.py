@@ -4,6 +4,7 @@ of parameters and optimizer state, resharding, and saves that fail half-way."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -252,6 +253,22 @@ def test_ranks_that_save_into_different_directories_are_told(tmp_path: Path) -> 
         return sorted(os.listdir(tmp_path / f"rank{rank}"))
 
     assert run([4, 4], job) == [["stage0.step0.pt"], ["stage1.step0.pt"]]  # no manifest
+
+
+def test_ranks_that_save_different_steps_are_told_so(tmp_path: Path) -> None:
+    """Different steps were blamed on the path (rank 0 missed the other's file); a step that
+    is no int on one rank failed there alone, and the other waited until its timeout."""
+
+    def job(pipe: AsyncPipe, opt: Any, rank: int) -> Any:
+        with pytest.raises(RuntimeError, match="rank 1 saved step 4 where rank 0 saved step 3"):
+            checkpoint.save(pipe, opt, tmp_path, step=3 + rank)
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"rank 1: TypeError: step must be an int.*None"):
+            checkpoint.save(pipe, opt, tmp_path, step=None if rank else 5)  # type: ignore[arg-type]
+        return time.monotonic() - started
+
+    assert all(seconds < 10 for seconds in run([4, 4], job))  # the timeout is 20 s
+    assert not (tmp_path / files.MANIFEST).exists()
 
 
 def test_loading_refuses_what_does_not_fit(tmp_path: Path) -> None:

@@ -170,11 +170,12 @@ def _optimizer_state(pipe: AsyncPipe, optimizer: torch.optim.Optimizer) -> dict[
     return {"state": state, "param_groups": groups}
 
 
-def _exchange(pipe: AsyncPipe, error: str | None) -> str | None:
-    """Every rank tells rank 0 how its part went; rank 0 answers with the verdict. Returns the
-    first problem reported (rank 0 adds its own), or None when all went well."""
+def _exchange(pipe: AsyncPipe, error: str | None, step: int) -> str | None:
+    """Every rank tells rank 0 how its part of saving ``step`` went; rank 0 answers with the
+    verdict. Returns the first problem reported (rank 0 adds its own, and ranks that saved
+    another step), or None when all went well."""
     transport, timeout = pipe.transport, pipe.timeout
-    ok = (torch.zeros(1),)
+    ok = (torch.tensor([float(step)], dtype=torch.float64),)
     if transport.rank != 0:
         transport.send(0, CHECKPOINT_CHANNEL, Message(0, 1, ok, error=error))
         answer = transport.recv(0, CHECKPOINT_CHANNEL).wait(timeout)
@@ -190,6 +191,13 @@ def _exchange(pipe: AsyncPipe, error: str | None) -> str | None:
             continue
         if message.error is not None:
             problems.append(f"rank {peer}: {message.error}")
+            continue
+        theirs = int(message.values(peer, "checkpoint step")[0])
+        if error is None and theirs != step:
+            problems.append(
+                f"rank {peer} saved step {theirs} where rank 0 saved step {step}: pass the same "
+                f"step on every rank"
+            )
     return "; ".join(problems) or None
 
 
@@ -249,7 +257,7 @@ def save(
     directory = os.fspath(path)
     verdict = None
     if pipe.data_parallel_rank == 0:  # replicas hold the same weights: the first one writes
-        verdict = _save_pipeline(pipe, optimizer, directory, int(step), extra)
+        verdict = _save_pipeline(pipe, optimizer, directory, step, extra)
     if pipe.data_parallel_size > 1:  # every replica learns whether it was saved
         failed = pipe._replicas_max(1.0 if verdict is not None else 0.0)
         if failed and verdict is None:
@@ -261,19 +269,33 @@ def save(
         )
 
 
+def _step_number(step: object) -> int:
+    """``step`` as an int, or a TypeError saying what it must be."""
+    if isinstance(step, bool) or not hasattr(step, "__index__"):
+        raise TypeError(
+            f"step must be an int, the number of steps finished (load returns it), got "
+            f"{step!r}; pass the same step on every rank"
+        )
+    number: int = step.__index__()
+    return number
+
+
 def _save_pipeline(
     pipe: AsyncPipe,
     optimizer: torch.optim.Optimizer | None,
     directory: str,
-    step: int,
+    given: object,
     extra: Any,
 ) -> str | None:
     """Write this rank's stage file, and on rank 0 the manifest once every rank succeeded;
-    the verdict, the same on every rank of the pipeline (None: saved)."""
+    the verdict, the same on every rank of the pipeline (None: saved). Each rank checks its
+    own ``given`` step, and rank 0 that every rank's is its own, before the manifest."""
     rank = pipe.transport.rank
-    name = f"stage{rank}.step{step}{_suffix(step, directory)}"
     error = None
+    step = -1
     try:
+        step = _step_number(given)
+        name = f"stage{rank}.step{step}{_suffix(step, directory)}"
         os.makedirs(directory, exist_ok=True)
         content = {
             "format": FORMAT,
@@ -285,7 +307,7 @@ def _save_pipeline(
         _write_atomically(os.path.join(directory, name), lambda f: torch.save(content, f))
     except Exception as e:
         error = f"{type(e).__name__}: {e}"
-    verdict = _exchange(pipe, error)
+    verdict = _exchange(pipe, error, step)
     if rank == 0:
         if verdict is None:
             try:
