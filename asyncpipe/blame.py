@@ -102,13 +102,23 @@ class FailureBlame:
 
     def _silent_peer(self, action: Action, error: Exception) -> Failed:
         """The failure of a peer that died or fell silent while this rank waited in ``action``
-        (a receive): it names that peer, its stage and the action it had not finished."""
+        (a receive): it names that peer, its stage and the action it had not finished; or the
+        mismatch where the peer's step ended well without it (this rank named)."""
         assert action.peer is not None
         peer = self.owners[action.peer]
         kind = Kind.FORWARD if action.kind is Kind.RECV_F else Kind.BACKWARD
         owed = Action(action.peer, kind, action.microbatch)
         what = "output" if kind is Kind.FORWARD else "input gradients"
         waited = f"in {action} waiting for the {what} of {owed} from rank {peer}"
+        news = self._news_of(peer) if isinstance(error, TransportTimeout) else None
+        if news is not None and news[1] == OK:  # the peer's step went well without it
+            text = (
+                f"rank {peer} (stage {action.peer}) ended its step without sending what rank "
+                f"{self.rank} waited for {waited}: the ranks ran different calls (pipe.step on "
+                f"some, pipe.forward or an evaluation on others) or different plans; call the "
+                f"same method, in the same mode, on every rank"
+            )  # this rank found it: the others' errors name it and point here
+            return Failed(text, action.stage, action.microbatch, str(action), self.rank)
         if isinstance(error, TransportTimeout):
             text = (
                 f"rank {peer} (stage {action.peer}) sent nothing: rank {self.rank} timed out after "

@@ -292,7 +292,11 @@ class Runtime(FailureBlame, Compute):
                 self.transport.flush(min(self.timeout, NEWS_SECONDS))
             raise self._raise(failure, original)
         table = [status]
-        deadline = time.monotonic() + self.timeout
+        # A peer that waits for a message this rank never sends (the ranks ran different
+        # calls) times out about when this rank's own wait would: a moment more lets its news,
+        # which names the mismatch, come first.
+        waits = self.timeout + min(self.timeout, NEWS_SECONDS)
+        deadline = time.monotonic() + waits
         for peer, pending in self._post_statuses(now=True).items():
             try:
                 message = pending.wait(max(deadline - time.monotonic(), 0.001))
@@ -301,7 +305,7 @@ class Runtime(FailureBlame, Compute):
                 stage = self.owners.index(peer)
                 raise StageFailure(
                     f"rank {peer} (stage {stage}) did not say how its step ended: rank "
-                    f"{self.rank} finished its own work and waited {self.timeout:.1f} s at most "
+                    f"{self.rank} finished its own work and waited {waits:.1f} s at most "
                     f"for that news ({e}); rank {peer} crashed, was killed or is stuck after "
                     f"its last message",
                     rank=peer,

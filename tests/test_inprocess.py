@@ -377,6 +377,25 @@ def test_a_stuck_stage_makes_the_others_fail_naming_the_peer() -> None:
     assert all(status == "error" for status, _ in results)
 
 
+def test_ranks_that_run_different_calls_are_told_so() -> None:
+    """Rank 0 steps while rank 1 runs a forward only: rank 0 named rank 1 as silent ("sent
+    nothing ... stuck, far slower or gone") and rank 1 blamed rank 0 for the same; rank 0 now
+    sees rank 1's step end well without the gradient and names the mismatch, and rank 1's
+    error points at rank 0's."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+
+    def fn(rank: int, transport: Transport) -> Any:
+        pipe = AsyncPipe(model, [1, 1], chunks=2, transport=transport, timeout=2.0)
+        return pipe.step(x, y, mse) if rank == 0 else pipe(x)
+
+    (_, stepped), (_, forwarded) = run_threads(fn, 2, timeout=60)
+    assert isinstance(stepped, StageFailure) and isinstance(forwarded, StageFailure)
+    assert "rank 1 (stage 1) ended its step without sending what rank 0 waited for" in str(stepped)
+    assert "the ranks ran different calls" in str(stepped)
+    assert "on rank 0 (see that rank's error" in str(forwarded), forwarded
+
+
 def test_non_tensor_at_a_boundary_is_named() -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.Flatten(0) if False else _ToList(), nn.Identity())
 
