@@ -31,7 +31,7 @@ from .partition import Layer, Partition, Segment, partition
 from .precision import LossScaler, clip_norm
 from .runtime import Runtime, refuse_exchange
 from .schedule import Action, Plan
-from .shared import SharedWeights
+from .shared import SharedWeights, find_shared
 from .skip.routes import find_routes
 from .stream import Stream, check_two_bw_options
 from .trace import TraceWriter
@@ -105,8 +105,8 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
             equal, e.g. ``[("tok.weight", "head.weight")]``, or one name for a parameter that
             several stages use (names in the original model for a
             :func:`~asyncpipe.sequentialize` model, or ``"<position>.<name>"`` in the
-            ``nn.Sequential``); their gradients are summed across the owning stages after
-            each backward.
+            ``nn.Sequential`` or the list of layers, ``LazyModule`` ones included); their
+            gradients are summed across the owning stages after each backward.
         trace: a directory, or a :class:`~asyncpipe.trace.TraceWriter`: every rank times each
             action it runs and rank 0 writes TensorBoard scalars, timeline pictures and a
             Chrome trace there (see :mod:`asyncpipe.trace`); call :meth:`close` at the end.
@@ -211,6 +211,10 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
             self.partitions: list[Partition] = partitions
             self.segments: list[Segment] = segments
             self._build_stage(module, layers, deferred_batch_norm)
+            built = {
+                inv.order: self.layers[inv.this.index] for inv in partitions[self.stage].invocations
+            }
+            shared = find_shared(shared_weights, layers, partitions, self.stage, built)
             owners = [seg.stage for seg in segments]
             plan = plan_factory(schedule, owners, transport.world_size, virtual_stages)
         except Exception as e:
@@ -240,9 +244,7 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
         agree(self._runtime.exchange, self.stage, fields)  # before anything waits on the others
         if isinstance(schedule, dict):  # the same plan everywhere now: it fails alike, or runs
             self._runtime.check_fixed_plan(self.chunks)
-        self._shared = SharedWeights(
-            shared_weights, layers, partitions, self.stage, global_rank, self.timeout
-        )
+        self._shared = SharedWeights(shared, self.stage, global_rank, self.timeout)
         self.skip_routes = routes
         if data_parallel_group is not None:
             self._averager = GradientAverager(

@@ -14,7 +14,7 @@ is summed, so gradients accumulated over several steps are not counted twice.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -48,101 +48,139 @@ class _Group:
     """The owners' process group (held weakly: torch.distributed owns it)."""
 
 
+@dataclass
+class SharedGroup:
+    """A group of ``shared_weights`` as found in the model: its names, the stages that own
+    any of its parameters, and this rank's copies."""
+
+    names: tuple[str, ...]
+    owners: tuple[int, ...]
+    local: list[nn.Parameter]
+
+
+def find_shared(
+    groups: Sequence[Sequence[str] | str],
+    layers: Sequence[Layer],
+    partitions: Sequence[Partition],
+    rank: int,
+    built: Mapping[int, nn.Module],
+) -> list[SharedGroup]:
+    """Find the parameters ``groups`` name, and check them: every name exists, a group's
+    shapes agree, and every parameter used on several stages is named.
+
+    ``built`` holds this rank's built layer at each of its positions. A ``LazyModule`` is
+    built on its owner only, so elsewhere a name ``"<position>.<name>"`` of one is taken on
+    trust (its owner checks it) and parameters it shares with other stages cannot be seen.
+    Raises ValueError on this rank alone where only it can see the problem: call it where a
+    failure reaches the other ranks (the constructor's first exchange)."""
+    owner = {id(layer): p.stage for p in partitions for layer in p.layers}
+    found: dict[str, list[tuple[int, nn.Parameter]]] = {}
+    by_object: dict[int, set[int]] = {}
+    param_names: dict[int, str] = {}
+    unbuilt: dict[str, int] = {}  # position of a LazyModule built elsewhere -> its stage
+    for position, layer in enumerate(layers):
+        stage = owner[id(layer)]
+        module: nn.Module | None = layer if not isinstance(layer, LazyModule) else None
+        if module is None:
+            module = built.get(position)
+            if module is None:
+                unbuilt[str(position)] = stage
+                continue
+        for name, p in layer_parameter_names(position, module):
+            found.setdefault(name, []).append((stage, p))
+            by_object.setdefault(id(p), set()).add(stage)
+            param_names.setdefault(id(p), name)
+
+    def elsewhere(name: str) -> int | None:
+        """The stage of the LazyModule built elsewhere that ``name`` names, if any."""
+        return unbuilt.get(name.split(".", 1)[0]) if "." in name else None
+
+    problems = []
+    named: set[int] = set()
+    tuples = [(group,) if isinstance(group, str) else tuple(group) for group in groups]
+    for group in tuples:
+        if not group or not all(isinstance(n, str) for n in group):
+            problems.append(
+                f"each entry of shared_weights must be a parameter name or a tuple of them "
+                f"(got {group!r}); e.g. shared_weights=[('tok.weight', 'head.weight')]"
+            )
+            continue
+        missing = [n for n in group if n not in found and elsewhere(n) is None]
+        if missing:
+            known = sorted(found)
+            problems.append(
+                f"shared_weights names parameters that no layer has: {missing} (known: "
+                f"{known[:8]}{' ...' if len(known) > 8 else ''}); use names from the "
+                f"original model or '<position>.<name>' in the nn.Sequential (a LazyModule's "
+                f"only as '<position>.<name>')"
+            )
+            continue
+        shapes = {n: tuple(found[n][0][1].shape) for n in group if n in found}
+        if len(set(shapes.values())) > 1:
+            problems.append(f"shared weights must have the same shape (got {shapes})")
+        named.update(id(p) for n in group for _, p in found.get(n, []))
+    spread = {
+        param_names[key]: sorted(stages)
+        for key, stages in by_object.items()
+        if len(stages) > 1 and key not in named
+    }
+    if spread:
+        problems.append(
+            f"parameters used on several stages must be named in shared_weights so their "
+            f"copies stay equal (used on: {spread}); pass shared_weights="
+            f"{[*map(tuple, tuples), *[(n,) for n in spread]]!r}"
+        )
+    if problems:
+        raise ValueError("; ".join(problems))
+    everywhere = [pair for pairs in found.values() for pair in pairs]
+    out = []
+    for group in tuples:
+        objects = {id(p) for n in group for _, p in found.get(n, [])}
+        stages = {stage for key in objects for stage in by_object[key]}
+        stages.update(s for s in map(elsewhere, group) if s is not None)
+        local: list[nn.Parameter] = []
+        for stage, p in everywhere:
+            if stage == rank and id(p) in objects and all(p is not q for q in local):
+                local.append(p)
+        out.append(SharedGroup(tuple(group), tuple(sorted(stages)), local))
+    return out
+
+
 class SharedWeights:
     """Keeps each group of named parameters equal across the stages that own them.
 
-    Built on every rank with the same arguments (it creates one process group per group that
-    spans ranks, in the order given, which ``torch.distributed.new_group`` requires).
+    Built on every rank with the groups :func:`find_shared` found there (it creates one
+    process group per group that spans ranks, in the order given, which
+    ``torch.distributed.new_group`` requires).
     """
 
     def __init__(
         self,
-        groups: Sequence[Sequence[str] | str],
-        layers: Sequence[Layer],
-        partitions: Sequence[Partition],
+        groups: Sequence[SharedGroup],
         rank: int,
         global_rank: dict[int, int] | None,
         timeout: float = 300.0,
     ) -> None:
-        owner = {id(layer): p.stage for p in partitions for layer in p.layers}
-        found: dict[str, list[tuple[int, nn.Parameter]]] = {}
-        by_object: dict[int, set[int]] = {}
-        param_names: dict[int, str] = {}
-        for position, layer in enumerate(layers):
-            if isinstance(layer, LazyModule):
-                continue
-            for name, p in layer_parameter_names(position, layer):
-                found.setdefault(name, []).append((owner[id(layer)], p))
-                by_object.setdefault(id(p), set()).add(owner[id(layer)])
-                param_names.setdefault(id(p), name)
-        problems = []
-        named: set[int] = set()
-        groups = [(group,) if isinstance(group, str) else tuple(group) for group in groups]
-        for group in groups:
-            if not group or not all(isinstance(n, str) for n in group):
-                problems.append(
-                    f"each entry of shared_weights must be a parameter name or a tuple of them "
-                    f"(got {group!r}); e.g. shared_weights=[('tok.weight', 'head.weight')]"
-                )
-                continue
-            missing = [n for n in group if n not in found]
-            if missing:
-                known = sorted(found)
-                problems.append(
-                    f"shared_weights names parameters that no layer has: {missing} (known: "
-                    f"{known[:8]}{' ...' if len(known) > 8 else ''}); use names from the "
-                    f"original model or '<position>.<name>' in the nn.Sequential"
-                )
-                continue
-            shapes = {n: tuple(found[n][0][1].shape) for n in group}
-            if len(set(shapes.values())) > 1:
-                problems.append(f"shared weights must have the same shape (got {shapes})")
-            named.update(id(p) for n in group for _, p in found[n])
-        spread = {
-            param_names[key]: sorted(stages)
-            for key, stages in by_object.items()
-            if len(stages) > 1 and key not in named
-        }
-        if spread:
-            problems.append(
-                f"parameters used on several stages must be named in shared_weights so their "
-                f"copies stay equal (used on: {spread}); pass shared_weights="
-                f"{[*map(tuple, groups), *[(n,) for n in spread]]!r}"
-            )
-        if problems:
-            raise ValueError("; ".join(problems))
         self.groups: list[_Group] = []
-        for group in groups:
-            objects = {id(p) for n in group for _, p in found[n]}
-            owners = tuple(sorted({stage for key in objects for stage in by_object[key]}))
-            local: list[nn.Parameter] = []
-            for stage, p in self._everywhere(found):
-                if stage == rank and id(p) in objects and all(p is not q for q in local):
-                    local.append(p)
+        for found in groups:
             process_group = None
-            if len(owners) > 1:
+            if len(found.owners) > 1:
                 if global_rank is None:
                     raise ValueError(
-                        f"shared weights on several stages ({list(group)} on stages "
-                        f"{list(owners)}) are kept equal over torch.distributed: pass "
+                        f"shared weights on several stages ({list(found.names)} on stages "
+                        f"{list(found.owners)}) are kept equal over torch.distributed: pass "
                         f"transport='p2p' or 'shm' (not 'rpc' or an in-process transport)"
                     )
                 process_group = dist.new_group(
-                    [global_rank[s] for s in owners], timeout=timedelta(seconds=timeout)
+                    [global_rank[s] for s in found.owners], timeout=timedelta(seconds=timeout)
                 )
             # ranks outside ``owners`` get a placeholder from new_group, and no local copies
             member = isinstance(process_group, dist.ProcessGroup)
             held = GroupRef(process_group) if member else None
-            self.groups.append(_Group(tuple(group), owners, local, held))
+            self.groups.append(_Group(found.names, found.owners, found.local, held))
         self.rank = rank
         self._global = global_rank or {}
         self._copy_first()
-
-    @staticmethod
-    def _everywhere(
-        found: dict[str, list[tuple[int, nn.Parameter]]],
-    ) -> list[tuple[int, nn.Parameter]]:
-        return [pair for pairs in found.values() for pair in pairs]
 
     def _copy_first(self) -> None:
         """Make every copy equal to the lowest owner's."""

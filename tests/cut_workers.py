@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import time
 from typing import Any
 
@@ -11,7 +12,7 @@ from cut_models import ManyCuts, MaskResidual, TiedLM, lm_loss
 from models import reference
 from torch import nn
 
-from asyncpipe import AsyncPipe, StageFailure, sequentialize
+from asyncpipe import AsyncPipe, LazyModule, StageFailure, sequentialize
 
 mse = nn.functional.mse_loss
 
@@ -116,6 +117,43 @@ def tied(rank: int, world: int, steps: int) -> Any:
     result["weight"] = model.tok.weight.detach().clone()
     result["plain"] = float((model.tok.weight - plain.tok.weight).abs().max())
     return result
+
+
+def _lm_part(position: int) -> nn.Module:
+    """Layer ``position`` of a small language model (embedding, two linears, head), the
+    same in every process: a LazyModule's factory."""
+    torch.manual_seed(5)
+    parts = [nn.Embedding(11, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 11, bias=False)]
+    return parts[position]
+
+
+def lazy_tied(rank: int, world: int, steps: int) -> Any:
+    """A LazyModule list whose embedding (stage 0) and head (stage 1) are tied with
+    shared_weights=[("0.weight", "3.weight")] (refused before: "no layer has" them), trained
+    with SGD beside the plain model with the head's weight tied to the embedding's. Returns
+    the largest loss difference and the tied weight's difference after the steps."""
+    plain = nn.Sequential(*[_lm_part(n) for n in range(4)])
+    plain[3].weight = plain[0].weight
+    layers = [LazyModule(functools.partial(_lm_part, n)) for n in range(4)]
+    pipe = AsyncPipe(
+        layers, [2, 2], chunks=2, timeout=30, shared_weights=[("0.weight", "3.weight")]
+    )
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.5)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.5)
+    first, last = pipe.is_first_stage, pipe.is_last_stage
+    worst = 0.0
+    for step in range(steps):
+        batch = torch.randint(0, 11, (8, 6), generator=torch.Generator().manual_seed(step))
+        optimizer.zero_grad()
+        plain_opt.zero_grad()
+        loss = pipe.step(batch if first else None, batch.roll(1, 1) if last else None, lm_loss)
+        with torch.no_grad():
+            want = float(lm_loss(plain(batch), batch.roll(1, 1)))
+        reference_step(plain, batch, plain_opt)
+        optimizer.step()
+        worst = max(worst, abs(loss - want))
+    tied = pipe.layers[0 if first else 1].weight  # the embedding's, or the head's copy
+    return worst, float((tied - plain[0].weight).abs().max())
 
 
 def reference_step(model: nn.Module, batch: torch.Tensor, optimizer: Any) -> None:

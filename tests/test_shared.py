@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from cut_models import TiedLM
-from cut_workers import tied
+from cut_workers import lazy_tied, tied
 from models import reference
 from spawn import run_ranks
 from threads import run_threads, values
 from torch import nn
 
-from asyncpipe import AsyncPipe, sequentialize
+from asyncpipe import AsyncPipe, LazyModule, StageFailure, sequentialize
 
 
 @pytest.mark.slow
@@ -24,6 +26,24 @@ def test_tied_embedding_and_head_stay_equal_over_many_steps() -> None:
         assert result["norm"] < 1e-5, (rank, result["norm"])  # the tied weight counted once
         assert result["plain"] < 1e-4, (rank, result["plain"])  # same training as the plain one
     assert torch.equal(results[0]["weight"], results[1]["weight"])
+
+
+@pytest.mark.slow
+def test_lazy_modules_tied_by_position_train_as_the_tied_plain_model() -> None:
+    for rank, (loss, weight) in enumerate(run_ranks(lazy_tied, 2, 4, timeout=120)):
+        assert loss < 1e-5 and weight < 1e-6, (rank, loss, weight)
+
+
+def test_a_wrong_name_of_a_lazy_module_is_refused_by_its_owner_and_reaches_the_others() -> None:
+    layers = [LazyModule(functools.partial(nn.Linear, 4, 4)) for _ in range(4)]
+
+    def make(rank: int, transport: object) -> None:
+        AsyncPipe(layers, [2, 2], transport=transport, shared_weights=[("0.weight", "3.nope")])  # type: ignore[arg-type]
+
+    (status0, error0), (status1, error1) = run_threads(make, 2)
+    assert status1 == "error" and "no layer has: ['3.nope']" in str(error1), error1
+    assert status0 == "error" and isinstance(error0, StageFailure), error0
+    assert "no layer has: ['3.nope']" in str(error0)
 
 
 def _build(shared: object) -> list[tuple[str, object]]:
