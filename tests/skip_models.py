@@ -118,6 +118,26 @@ def isolated(seed: int = 0) -> nn.Sequential:
     )
 
 
+def nested(seed: int = 0) -> nn.Sequential:
+    """A residual-like block whose stash and pop are inside one layer (position 1)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(8, 8),
+        nn.Sequential(Stash(), nn.Linear(8, 8), PopAdd()),
+        nn.Sequential(nn.Linear(8, 8), nn.Tanh()),
+    )
+
+
+def nested_crossing(seed: int = 0) -> nn.Sequential:
+    """A stash inside the container at position 0 and its pop inside the one at 2."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Sequential(Stash(), nn.Linear(8, 8)),
+        nn.Sequential(nn.Linear(8, 8), nn.Tanh()),
+        nn.Sequential(nn.Linear(8, 8), PopAdd()),
+    )
+
+
 def with_batch_norm(seed: int = 0) -> nn.Sequential:
     """A skip that crosses BatchNorm layers: stash at 0, pop at 3, BatchNorm at 1 and 2."""
     torch.manual_seed(seed)

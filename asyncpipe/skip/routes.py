@@ -16,9 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..partition import Segment
-from .layer import Skippable
 from .namespace import SkipKey
-from .verify import declarations, probe, verify_skippables
+from .verify import declarations, probe, skippable_inside, verify_skippables
 
 __all__: list[str] = []
 
@@ -74,12 +73,12 @@ def skip_routes(layers: Sequence[object], segment_of: Sequence[int]) -> SkipRout
 def find_routes(layers: Sequence[object], segments: Sequence[Segment]) -> SkipRoutes:
     """Check the model's skip connections and find which cross between segments."""
     views = [probe(layer, n) for n, layer in enumerate(layers)]
-    if not any(isinstance(v, Skippable) for v in views):
+    if not any(skippable_inside(v) for v in views):
         return SkipRoutes()
     positions: dict[int, list[int]] = {}
     for n, layer in enumerate(layers):
         positions.setdefault(id(layer), []).append(n)
-    reused = [p for p in positions.values() if len(p) > 1 and isinstance(views[p[0]], Skippable)]
+    reused = [p for p in positions.values() if len(p) > 1 and skippable_inside(views[p[0]])]
     if reused:
         raise ValueError(
             f"a skippable layer may appear at one position only (positions {reused} reuse one); "

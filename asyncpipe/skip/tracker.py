@@ -74,6 +74,10 @@ class SkipTracker:
                 f"asyncpipe.skip.verify_skippables(model) to see the order of stashes and pops"
             )
         if self.cut:
+            inner = [n for n, (stashed, _) in enumerate(self.stashed) if stashed == key]
+            if inner:  # stashed in the same layer call: that call's own graph links the two
+                del self.stashed[inner[0]]
+                return tensor
             if tensor is not None and tensor.requires_grad and tensor.is_floating_point():
                 tensor = tensor.detach().requires_grad_(True)
             self.popped.append((key, tensor))

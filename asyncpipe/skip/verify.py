@@ -22,10 +22,29 @@ so two probes at once (ranks as threads of one process) would restore each other
 
 
 def declarations(layer: object) -> tuple[list[SkipKey], list[SkipKey]]:
-    """The skip keys a layer stashes and pops (none for a layer that is not skippable)."""
+    """The skip keys a layer stashes and pops that others pop and stash: a skippable layer's
+    own, or those of the skippable modules inside a container, in the order they were
+    registered (a ``nn.Sequential`` calls them in that order), less the ones stashed and
+    popped inside it."""
     if isinstance(layer, Skippable):
         return layer.stash_keys(), layer.pop_keys()
-    return [], []
+    stashes: list[SkipKey] = []
+    pops: list[SkipKey] = []
+    if isinstance(layer, nn.Module):
+        for child in layer.children():
+            inner_stashes, inner_pops = declarations(child)
+            for key in inner_pops:
+                if key in stashes:
+                    stashes.remove(key)  # stashed and popped inside this layer
+                else:
+                    pops.append(key)
+            stashes += inner_stashes
+    return stashes, pops
+
+
+def skippable_inside(layer: object) -> bool:
+    """Whether ``layer`` is skippable or holds a skippable module."""
+    return isinstance(layer, nn.Module) and any(isinstance(m, Skippable) for m in layer.modules())
 
 
 def probe(layer: object, position: int) -> object:
