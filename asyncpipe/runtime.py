@@ -51,7 +51,7 @@ def _kind_code(action: str) -> int:
     return KINDS.index(kind) if kind.is_compute else -1
 
 
-def _rows(pieces: list[Tensors] | None) -> int:
+def rows_of(pieces: list[Tensors] | None) -> int:
     """Rows of a scattered batch, or -1 if this rank has none."""
     return sum(piece[0].shape[0] for piece in pieces) if pieces else -1
 
@@ -270,7 +270,9 @@ class Runtime(FailureBlame, Compute):
             status[1] = RELAYED if failure.relayed else FAILED
             status[2:5] = [float(failure.stage), float(failure.microbatch), float(failure.rank)]
         status.append(float(self.stop_requested))
-        status += [float(_rows(work.inputs)), float(_rows(work.targets))] if work else [-1.0] * 2
+        status += (
+            [float(rows_of(work.inputs)), float(rows_of(work.targets))] if work else [-1.0] * 2
+        )
         status.append(float(_kind_code(failure.action)) if failure is not None else -1.0)
         news = Message(0, 0, (torch.tensor(status, dtype=torch.float64, device=self.device),))
         try:

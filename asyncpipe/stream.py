@@ -25,10 +25,10 @@ import torch
 from torch import nn
 
 from .blame import NEWS_SECONDS, OK, PEER_ERRORS
-from .failure import Failed, StepReport
+from .failure import Failed, MismatchedBatch, StepReport
 from .labels import profiler_range
 from .precision import SpreadNorm
-from .runtime import NORM_CHANNEL, STATUS_CHANNEL, Runtime
+from .runtime import NORM_CHANNEL, STATUS_CHANNEL, Runtime, rows_of
 from .schedule import Action, Kind, lower, validate
 from .schedule.two_bw import two_bw, windows
 from .transport import Message, PendingRecv, TransportTimeout
@@ -127,6 +127,7 @@ class Stream:
         owed = {(a.stage, a.microbatch) for a in window if a.kind is Kind.FORWARD}
         owed -= {(a.stage, a.microbatch) for a in window if a.kind is Kind.BACKWARD}
         status = [work.local_loss(), OK, float(self.runtime.stop_requested)]
+        status += [float(rows_of(work.inputs)), float(rows_of(work.targets))]
         self._send_news(status)
         loss = math.nan
         if self.previous is not None:
@@ -153,8 +154,8 @@ class Stream:
         if self.previous is None or self.optimizer is None:
             return math.nan, StepReport(0.0, 0.0, [], start)
         events, busy, peak = self._run(self.windows["drain"], {1: self.previous}, 2, start)
+        loss = self._read_news()  # first: a mini-batch whose news says it was wrong is not applied
         self._update(self.optimizer, keep=False)
-        loss = self._read_news()
         self.runtime.transport.flush_received(self.runtime.timeout)  # every rank's news is in
         self.previous = None
         self.batches = 0
@@ -189,6 +190,16 @@ class Stream:
                 ) from e
             table.append(message.values(peer, "news of its last 2BW window"))
         self.runtime.stop_agreed = any(row[2] for row in table)
+        inputs = {int(row[3]) for row in table if row[3] >= 0}
+        targets = {int(row[4]) for row in table if row[4] >= 0}
+        if inputs and targets and inputs != targets:  # every rank finds it, before the update
+            raise MismatchedBatch(
+                f"input and target must have the same batch size, and the mini-batch of the "
+                f"previous step had {min(inputs)} input rows and {min(targets)} target rows; its "
+                f"gradient is not applied, and as schedule '2bw' keeps a mini-batch in flight "
+                f"this pipeline cannot go on: build it again (or resume from a checkpoint) and "
+                f"pass a target with one row per input row"
+            )
         return sum(row[0] for row in table) / self.microbatches
 
     def _post(

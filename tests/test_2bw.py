@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from asyncpipe import AsyncPipe
 from asyncpipe.balance.steady import steady_step
+from asyncpipe.failure import MismatchedBatch
 from asyncpipe.schedule import Costs, lower, one_f_one_b, simulate, two_bw, validate
 from asyncpipe.schedule.two_bw import windows
 from asyncpipe.transport import Transport
@@ -374,6 +375,31 @@ def test_step_needs_the_optimizer() -> None:
     for status, error in run_threads(fn, 2):
         assert status == "error" and isinstance(error, TypeError), error
         assert "optimizer=optimizer" in str(error)
+
+
+@pytest.mark.filterwarnings("ignore:Using a target size")  # mse broadcasts the short target
+@pytest.mark.parametrize("found_by", ["step", "flush"])
+def test_a_target_of_another_batch_size_is_refused_before_its_update(found_by: str) -> None:
+    """2BW trained on it silently (mse broadcast 7 target rows over 8 input rows and the
+    update was applied), where the flushing schedules raise MismatchedBatch."""
+    plain, data = model(), batches(2)
+    before = [p.detach().clone() for p in plain.parameters()]
+    wrong = (data[0][0], data[0][1][:7])
+
+    def fn(rank: int, transport: Transport) -> Any:
+        pipe = AsyncPipe(plain, [4, 4], chunks=4, schedule="2bw", transport=transport)
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        pipe.step(*wrong, mse, optimizer=opt)
+        with pytest.raises(MismatchedBatch, match="8 input rows and 7 target rows"):
+            if found_by == "step":
+                pipe.step(*data[1], mse, optimizer=opt)
+            else:
+                pipe.flush()
+        with pytest.raises(RuntimeError, match="failed in an earlier call"):
+            pipe.flush()
+
+    values(run_threads(fn, 2))
+    assert all(torch.equal(p, q) for p, q in zip(before, plain.parameters()))  # not applied
 
 
 def test_flush_drains_only_once() -> None:

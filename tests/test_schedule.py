@@ -104,6 +104,9 @@ def test_validate_rejects_missing_and_duplicate_actions() -> None:
         validate({0: row("0F0 0F1 0B0 0B1"), 1: row("1F0 1F1 1B0")})
     with pytest.raises(PlanError, match="appears twice"):
         validate({0: row("0F0 0F0 0B0")})
+    for empty in ({0: [], 1: []}, {0: [None]}):  # a bare "max() arg is an empty sequence"
+        with pytest.raises(PlanError, match="the plan has no actions"):
+            validate(empty)
 
 
 def test_validate_finds_deadlock_and_marks_rows() -> None:

@@ -59,6 +59,11 @@ def validate(plan: Plan) -> Plan:
             if action in seen:
                 raise _fail(plan, f"action {action} appears twice", {rank: index})
             seen[action] = (rank, index)
+    if not seen:
+        raise PlanError(
+            "the plan has no actions: every stage needs a forward (and a backward, to train) for "
+            "each micro-batch, e.g. asyncpipe.schedule.build('1f1b', stages, chunks)"
+        )
     microbatches = 1 + max(a.microbatch for a in seen)
     has_backward = any(a.kind is Kind.BACKWARD for a in seen)
     for stage in owners:
