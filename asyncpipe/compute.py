@@ -104,7 +104,16 @@ class Compute:
             if seg == self.last and work.train and work.loss_fn is not None:
                 # under autocast too, as torch.amp asks: the loss then runs in float32 where
                 # autocast's lists say so (mse_loss of a bfloat16 output and a float32 target)
-                work.losses[i] = self._loss(work, out, i, (seg, i) in work.tuples)
+                # A split backward takes the loss's gradient with respect to the outputs on
+                # leaves of them: the loss's own partial derivatives, which B then carries
+                # through the outputs' graph once (an output computed from another, as an
+                # auxiliary value, would otherwise send its part through that graph twice).
+                on = out
+                if split:
+                    on = work.loss_inputs[i] = tuple(
+                        o.detach().requires_grad_(o.requires_grad) for o in out
+                    )
+                work.losses[i] = self._loss(work, on, i, (seg, i) in work.tuples)
         return out, tracker.outgoing
 
     @staticmethod
@@ -225,12 +234,13 @@ class Compute:
                     f"parameters that require grad"
                 )
             if split:
-                wanted = [o for o in out if o.requires_grad]
+                heads = work.loss_inputs.pop(i)
+                wanted = [h for h in heads if h.requires_grad]
                 # allow_unused: a loss may read part of a tuple output (logits, aux)
                 found = dict(
                     zip(map(id, wanted), torch.autograd.grad(loss, wanted, allow_unused=True))
                 )
-                given = tuple(found.get(id(o)) for o in out)
+                given = tuple(found.get(id(h)) for h in heads)
             else:
                 roots, grads = [loss], [None]
         else:

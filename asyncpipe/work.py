@@ -68,6 +68,9 @@ class Work:
     rng: dict[tuple[int, int], RNGState] = field(default_factory=dict)
     grads: dict[tuple[int, int], Grads] = field(default_factory=dict)
     losses: dict[int, Tensor] = field(default_factory=dict)
+    loss_inputs: dict[int, Tensors] = field(default_factory=dict)
+    """Split backwards: the leaves (detached outputs) each micro-batch's loss was computed
+    on, so that its gradient is the loss's own, not through the last stage's graph."""
     pending: dict[Action, PendingRecv] = field(default_factory=dict)
     unposted: list[Action] = field(default_factory=list)
     split: frozenset[tuple[int, int]] = frozenset()

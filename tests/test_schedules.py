@@ -369,6 +369,38 @@ def test_a_loss_that_reads_part_of_a_tuple_output_matches(schedule: str) -> None
             torch.testing.assert_close(got, want)
 
 
+class _WithAux(nn.Module):
+    """A last layer whose second output is computed from its first (an auxiliary loss term)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        h = self.a(x)
+        return h, (h**2).mean()
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero_bubble"])
+@pytest.mark.parametrize("policy", ["never", "always"])
+def test_an_output_computed_from_another_and_both_in_the_loss(schedule: str, policy: str) -> None:
+    """zero_bubble took the loss's gradient of the first output through the second one's
+    graph and back-propagated the second's through it again: the backward failed ("Trying to
+    backward through the graph a second time"), or counted that part twice."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), _WithAux())
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+
+    def loss_fn(out: Any, target: Tensor) -> Tensor:
+        return mse(out[0], target) + out[1]
+
+    losses = _step_everywhere(model, [2, 2], schedule, policy, x, y, loss_fn)
+    want_loss, want_grads = _plain(model, x, y, loss_fn)
+    assert losses == pytest.approx([want_loss] * 2, rel=1e-6)
+    for got, want in zip(grads_of(list(model.parameters())), want_grads):
+        torch.testing.assert_close(got, want)
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero_bubble", "interleaved"])
 @pytest.mark.parametrize("policy", ["never", "except_last"])
 def test_a_first_layer_that_changes_the_input_in_place_matches(schedule: str, policy: str) -> None:
