@@ -26,7 +26,7 @@ from .microbatch import Tensors, as_tensors
 from .recompute import RNGState, checkpointed
 from .schedule import Action
 from .skip.routes import SkipRoutes
-from .skip.tracker import SkipTracker, use
+from .skip.tracker import SkipTracker, differentiable, use
 from .split import input_backward, run_cut, weight_backward
 from .work import Grads, Skips, Work, leaves, unwrap
 
@@ -64,7 +64,7 @@ class Compute:
             if work.caller_inputs:  # leaves, whose gradients go back in one go (see backward)
                 return tuple(
                     own_version(t.detach()).requires_grad_(True)
-                    if t.requires_grad and t.is_floating_point()
+                    if t.requires_grad and differentiable(t)
                     else t
                     for t in work.inputs[i]
                 )
@@ -318,9 +318,10 @@ def _like(grad: Tensor | None, tensor: Tensor) -> Tensor | None:
 
 
 def _announce(tensors: Sequence[Tensor | None]) -> tuple[Any, ...]:
-    """Detached floating-point tensors that ask for gradients (others as they are)."""
+    """Detached floating-point and complex tensors that ask for gradients (others as they
+    are)."""
     return tuple(
-        t.detach().requires_grad_(True) if t is not None and t.is_floating_point() else t
+        t.detach().requires_grad_(True) if t is not None and differentiable(t) else t
         for t in tensors
     )
 

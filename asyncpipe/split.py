@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from .alias import alias
 from .skip.namespace import SkipKey
-from .skip.tracker import SkipTracker
+from .skip.tracker import SkipTracker, differentiable
 
 __all__: list[str] = []
 
@@ -47,7 +47,7 @@ def cut(value: object) -> tuple[object, list[Tensor]]:
     found: list[Tensor] = []
 
     def leaf(t: Tensor) -> Tensor:
-        if t.requires_grad and t.is_floating_point():
+        if t.requires_grad and differentiable(t):
             fresh = t.detach().requires_grad_(True)
             found.append(fresh)
             return alias(fresh)

@@ -12,6 +12,7 @@ from .microbatch import Tensors
 from .recompute import RNGState
 from .schedule import Action
 from .skip.namespace import SkipKey
+from .skip.tracker import differentiable
 from .split import LayerRun
 from .transport import PendingRecv
 
@@ -33,7 +34,7 @@ def leaves(tensors: Sequence[Tensor]) -> Tensors:
     out = []
     for t in tensors:
         leaf = t.detach()
-        if t.requires_grad and t.is_floating_point():
+        if t.requires_grad and differentiable(t):
             leaf.requires_grad_(True)
         out.append(leaf)
     return tuple(out)

@@ -755,3 +755,56 @@ def in_place_sibling(rank: int, world: int, transport: str) -> Any:
     pipe = AsyncPipe(model, [1, 3], chunks=4, checkpoint="never", transport=transport, timeout=30)
     loss = pipe.step(x, y, mse)
     return abs(loss - want_loss), _diff(pipe, grads, model)
+
+
+class _LazyViews(nn.Module):
+    """A lazily conjugated complex tensor and a lazily negated real one: neither's memory
+    holds the values it reads as."""
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return torch.complex(x, 2 * x).conj(), torch._neg_view(3 * x)
+
+
+class _FromLazyViews(nn.Module):
+    """Reads the complex input through ``conj()``: its gradient by ``autograd.grad`` (zero
+    bubble's B) is a lazily conjugated tensor too."""
+
+    def forward(self, value: tuple[Tensor, Tensor]) -> Tensor:
+        z, n = value
+        w = z.conj()
+        return w.real + 0.5 * w.imag + n
+
+
+def lazy_views(rank: int, world: int, schedules: tuple[str, ...], transport: str = "p2p") -> Any:
+    """Stage outputs (and gradients) that are lazily conjugated or negated views, over
+    ``transport``:
+    small messages (separate at first, then packed) and large ones (over ``PACK_LIMIT``),
+    training steps and inference. The error against the plain model of each, by case."""
+    width, out = 1024, {}
+    for schedule in schedules:
+        for rows in (4, 64):  # 2 micro-batches of 2 rows: 24 KiB; of 32 rows: 384 KiB
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(width, width), _LazyViews(), _FromLazyViews())
+            x, y = torch.randn(rows, width), torch.randn(rows, width)
+            plain = copy.deepcopy(model)
+            want_loss = 0.0
+            for px, py in zip(x.chunk(2), y.chunk(2)):
+                loss = mse(plain(px), py) / 2
+                loss.backward()
+                want_loss += float(loss.detach())
+            grads = dict(enumerate(p.grad for p in plain.parameters()))
+            pipe = AsyncPipe(
+                model, [2, 1], chunks=2, schedule=schedule, timeout=30, transport=transport
+            )
+            for step in range(2):  # a slot's first message goes separate, the next packed
+                pipe.zero_grad()
+                loss = pipe.step(x if rank == 0 else None, y, mse)
+                error = abs(loss - want_loss) if pipe.is_last_stage else 0.0
+                out[f"{schedule}-{rows}-{step}"] = max(error, _diff(pipe, grads, model))
+            pipe.eval()
+            for step in range(2):
+                with torch.no_grad():
+                    got = pipe(x if rank == 0 else None)
+                    error = float((got - plain(x)).abs().max()) if pipe.is_last_stage else 0.0
+                out[f"{schedule}-{rows}-inference{step}"] = error
+    return out

@@ -6,6 +6,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
+from copy import deepcopy
 from typing import Any
 
 import pytest
@@ -600,3 +601,112 @@ def test_flush_received_forgives_missing_receipts_only() -> None:
         _Unconfirmed(TransportTimeout("late")).flush(1)
     with pytest.raises(RuntimeError, match="a bug"):  # anything else is not a receipt
         _Unconfirmed(RuntimeError("a bug")).flush_received(1)
+
+
+class ToComplex(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.complex(x, 0.5 * x)
+
+
+class ComplexScale(nn.Module):
+    """Multiplies by a complex parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, dtype=torch.complex64))
+
+    def forward(self, z: Tensor) -> Tensor:
+        return z * self.w
+
+
+class FromComplex(nn.Module):
+    def forward(self, z: Tensor) -> Tensor:
+        return 2 * z.real + z.imag
+
+
+@asyncpipe.skip.skippable(stash=["z"])
+class StashComplex(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> Any:
+        yield asyncpipe.skip.stash("z", torch.complex(self.linear(x), -x))
+        return x
+
+
+@asyncpipe.skip.skippable(pop=["z"])
+class PopComplex(nn.Module):
+    def forward(self, x: Tensor) -> Any:
+        z = yield asyncpipe.skip.pop("z")
+        return x * (z.real + 3 * z.imag)
+
+
+def complex_model() -> nn.Sequential:
+    """Complex activations between stages 0 and 1 and between layers of stage 1, a complex
+    parameter and a complex skip within stage 1 (balance [2, 6]); a complex skip from stage 0
+    to stage 1 (balance [5, 3])."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(8, 8),
+        ToComplex(),
+        ComplexScale(),
+        FromComplex(),
+        StashComplex(),
+        nn.Linear(8, 8),
+        PopComplex(),
+        nn.Linear(8, 8),
+    )
+
+
+@pytest.mark.parametrize("balance", [[2, 6], [5, 3]])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero_bubble"])
+@pytest.mark.parametrize("policy", ["always", "except_last", "never"])
+def test_complex_activations_and_skips_carry_gradients(
+    balance: list[int], schedule: str, policy: str
+) -> None:
+    # before: "requires a gradient?" meant floating point, so a complex activation crossing a
+    # boundary (or a complex skip) arrived without one: stage 0 got no weight gradient; under
+    # zero_bubble a complex value between two layers of a stage failed W ("Trying to backward
+    # through the graph a second time")
+    model = complex_model()
+    torch.manual_seed(1)
+    x, y = torch.randn(6, 8), torch.randn(6, 8)
+    want_loss, want_grads = reference(model, x, y, 3, mse)
+
+    def fn(rank: int, transport: Transport) -> float:
+        pipe = AsyncPipe(
+            model, balance, 3, policy, schedule=schedule, transport=transport, timeout=10
+        )
+        return pipe.step(x, y, mse)
+
+    for loss in values(run_threads(fn, 2)):
+        assert loss == pytest.approx(want_loss, rel=1e-6)
+    for got, want in zip(grads_of(list(model.parameters())), want_grads, strict=True):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "zero_bubble"])
+def test_a_complex_input_gets_its_gradient(schedule: str) -> None:
+    # before: a complex input that requires grad was not made a leaf, so each micro-batch's
+    # backward went into the caller's graph on its own: the second failed ("Trying to
+    # backward through the graph a second time") where that graph saved tensors
+    model = complex_model()[2:]
+    torch.manual_seed(1)
+    a, y = torch.randn(6, 8, requires_grad=True), torch.randn(6, 8)
+    plain, copy = a.detach().clone().requires_grad_(True), deepcopy(model)
+    want = mse(copy(torch.complex(plain, plain).exp()), y)  # 3 micro-batches of 2 rows: the same
+    want.backward()
+    want_loss, want_grads = float(want.detach()), grads_of(list(copy.parameters()))
+
+    def fn(rank: int, transport: Transport) -> float:
+        pipe = AsyncPipe(model, [2, 4], 3, schedule=schedule, transport=transport, timeout=10)
+        x = torch.complex(a, a).exp() if rank == 0 else None  # a graph that saves its output
+        return pipe.step(x, y, mse)
+
+    for loss in values(run_threads(fn, 2)):
+        assert loss == pytest.approx(want_loss, rel=1e-6)
+    assert a.grad is not None and plain.grad is not None
+    torch.testing.assert_close(a.grad, plain.grad)
+    for got, want in zip(grads_of(list(model.parameters())), want_grads, strict=True):
+        torch.testing.assert_close(got, want)

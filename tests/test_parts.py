@@ -136,6 +136,13 @@ def test_header_rejects_too_many_tensors() -> None:
         encode_header(Message(0, 1, tuple(many)), many)
 
 
+def test_header_rejects_sparse_tensors_with_the_fix() -> None:
+    # before: "nbytes is not defined for sparse tensors", from the p2p and shm transports
+    sparse = torch.eye(3).to_sparse()
+    with pytest.raises(TypeError, match=r"sparse_coo tensor .* \(.to_dense\(\)\), or use"):
+        encode_header(Message(0, 1, (sparse,)), [sparse])
+
+
 def test_a_receive_on_the_gpu_is_awaited_on_the_host_with_a_timeout() -> None:
     class Work:
         def __init__(self, after: int) -> None:

@@ -96,7 +96,7 @@ def _tensors(value: object) -> list[Tensor]:
 def _fresh(value: object) -> object:
     def leaf(t: Tensor) -> Tensor:
         t = t.detach()
-        return t.requires_grad_(True) if t.is_floating_point() else t
+        return t.requires_grad_(True) if t.is_floating_point() or t.is_complex() else t
 
     if isinstance(value, Tensor):
         return leaf(value)

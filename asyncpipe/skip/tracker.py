@@ -24,6 +24,12 @@ from .namespace import SkipKey, describe
 __all__: list[str] = []
 
 
+def differentiable(tensor: Tensor) -> bool:
+    """Whether autograd can carry a gradient for ``tensor``'s dtype: floating point or complex
+    (integer and boolean tensors never require grad)."""
+    return tensor.is_floating_point() or tensor.is_complex()
+
+
 class SkipTracker:
     """Holds the skip tensors of one forward call.
 
@@ -78,7 +84,7 @@ class SkipTracker:
             if inner:  # stashed in the same layer call: that call's own graph links the two
                 del self.stashed[inner[0]]
                 return tensor
-            if tensor is not None and tensor.requires_grad and tensor.is_floating_point():
+            if tensor is not None and tensor.requires_grad and differentiable(tensor):
                 tensor = tensor.detach().requires_grad_(True)
             self.popped.append((key, tensor))
             if tensor is not None:

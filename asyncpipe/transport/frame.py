@@ -86,6 +86,12 @@ def encode(message: Message, payload: Sequence[Tensor | None]) -> tuple[list[int
         if tensor is None:
             specs += [-1, 0, 0]
             continue
+        if tensor.layout != torch.strided:
+            raise TypeError(
+                f"cannot send a {str(tensor.layout).replace('torch.', '')} tensor between stages "
+                f"over this transport, which sends a tensor's memory as it lies: convert it "
+                f"before the boundary (.to_dense()), or use transport='rpc'"
+            )
         if tensor.dtype not in _CODES:
             raise TypeError(
                 f"cannot send a tensor of dtype {tensor.dtype} between stages; supported: "
@@ -118,10 +124,10 @@ def pack(
 
     Host tensors are copied with one ``memmove`` each rather than through torch's dispatcher:
     a message of a few KiB costs a handful of microseconds instead of tens, which matters on
-    the critical path of every pipeline hop. With ``sizes``, a tensor costs three calls into
-    torch (``is_cpu``, ``is_contiguous``, ``data_ptr``): in a process that has just woken
-    (a hop's receiver, a sender after its compute) each such call costs tens of microseconds,
-    not a fraction of one."""
+    the critical path of every pipeline hop. With ``sizes``, a tensor costs four calls into
+    torch (``is_cpu``, ``is_contiguous``, ``is_neg``, ``data_ptr``): in a process that has
+    just woken (a hop's receiver, a sender after its compute) each such call costs tens of
+    microseconds, not a fraction of one."""
     if buffer is None:
         buffer = torch.empty(fields[5], dtype=torch.uint8)
     base = buffer.data_ptr()
@@ -134,10 +140,16 @@ def pack(
         size = sizes[n] if sizes is not None else tensor.nbytes
         if not size:
             continue
-        if tensor.is_cpu and tensor.is_contiguous() and (known or not tensor.is_complex()):
+        if (
+            tensor.is_cpu
+            and tensor.is_contiguous()
+            and (known or not tensor.is_complex())
+            and not tensor.is_neg()
+        ):
             ctypes.memmove(base + offset, tensor.data_ptr(), size)
-        else:  # another device, a strided view, or a lazily conjugated complex tensor
-            flat = tensor.detach().resolve_conj().contiguous().view(-1).view(torch.uint8)
+        else:  # another device, a strided view, or a lazily conjugated or negated view
+            flat = tensor.detach().resolve_conj().resolve_neg().contiguous()
+            flat = flat.view(-1).view(torch.uint8)
             buffer[offset : offset + size].copy_(flat)
     return buffer
 

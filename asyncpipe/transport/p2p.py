@@ -102,6 +102,12 @@ class _Layout:
         return cls(fields, offsets, sizes)
 
 
+def _plain(tensor: Tensor) -> Tensor:
+    """``tensor`` contiguous, with its conjugate and negative bits resolved: its memory holds
+    the values it reads as."""
+    return tensor.resolve_conj().resolve_neg().contiguous()
+
+
 class P2PTransport(GroupTransport):
     """Messages over ``torch.distributed`` point-to-point operations.
 
@@ -293,7 +299,9 @@ class P2PTransport(GroupTransport):
                 self._stand_ins(key, record)
                 del self._sent[key]
             return
-        tensors = [t.detach().to(self.wire).contiguous() for t in payload if t is not None]
+        # Bytes as they read: a lazily conjugated or negated view (z.conj(), z.conj().imag)
+        # materialized, as view_as_real and the wire need.
+        tensors = [_plain(t.detach().to(self.wire)) for t in payload if t is not None]
         sizes = [t.nbytes for t in tensors]
         early = record is not None and len(sizes) == len(record)
         early = early and all(n <= r for n, r in zip(sizes, record or ()))

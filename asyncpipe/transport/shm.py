@@ -70,7 +70,7 @@ _use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 def _in_place(tensor: Tensor) -> bool:
     """Whether the bytes of ``tensor`` can be copied into a ring as they lie."""
-    return tensor.is_cpu and tensor.is_contiguous() and not tensor.is_conj()
+    return tensor.is_cpu and tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()
 
 
 class _Frame:
@@ -350,7 +350,7 @@ class ShmTransport(GroupTransport):
             if tensor is not None:
                 data = tensor.detach()
                 if not _in_place(data):
-                    data = data.resolve_conj().contiguous().cpu()
+                    data = data.resolve_conj().resolve_neg().contiguous().cpu()
                 if data.nbytes:
                     queue.append(_Piece(data, data.data_ptr(), data.nbytes, key))
             if pad:
