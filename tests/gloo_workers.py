@@ -808,3 +808,102 @@ def lazy_views(rank: int, world: int, schedules: tuple[str, ...], transport: str
                     error = float((got - plain(x)).abs().max()) if pipe.is_last_stage else 0.0
                 out[f"{schedule}-{rows}-inference{step}"] = error
     return out
+
+
+def as_saved_before(directory: str, into: str, drop: str) -> None:
+    """Copy the checkpoint in ``directory`` into ``into`` as the versions that stored a tied
+    weight's optimizer state under its first position's name only wrote it: without the
+    state (and group entry) named ``drop``."""
+    import os
+    import shutil
+
+    shutil.copytree(directory, into)
+    for name in os.listdir(into):
+        if name.endswith(".pt"):
+            content = torch.load(os.path.join(into, name), weights_only=False)
+            if content["optimizer"] is not None and drop in content["optimizer"]["state"]:
+                del content["optimizer"]["state"][drop]
+                for group in content["optimizer"]["param_groups"]:
+                    group["params"] = [p for p in group["params"] if p != drop]
+                torch.save(content, os.path.join(into, name))
+
+
+def _tied_net(seed: int) -> nn.Sequential:
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    net[3].weight = net[1].weight
+    return net
+
+
+def _tied_batch(step: int) -> tuple[Tensor, Tensor]:
+    generator = torch.Generator().manual_seed(100 + step)
+    return torch.randn(8, 8, generator=generator), torch.randn(8, 8, generator=generator)
+
+
+def tied_reshard(rank: int, world: int, path: str) -> Any:
+    """A weight tied (shared_weights) between positions 1 and 3, trained with Adam on balance
+    [1, 3] (both copies on rank 1) and saved, then loaded onto [2, 2] (one copy per rank): as
+    saved, and as older versions saved it (under "1.weight" only). Returns the losses of the
+    steps after the save in each run, and for each load whether every parameter got optimizer
+    state and the loaded weights."""
+    import torch.distributed as dist
+
+    from asyncpipe import checkpoint
+
+    shared = [("1.weight", "3.weight")]
+    pipe = AsyncPipe(_tied_net(0), [1, 3], chunks=2, timeout=30, shared_weights=shared)
+    opt = torch.optim.Adam(pipe.parameters(), lr=0.05)
+    for step in range(2):
+        pipe.step(*_tied_batch(step), mse, optimizer=opt)
+    checkpoint.save(pipe, opt, f"{path}/new", step=2)
+    out: dict[str, Any] = {"saved": {k: v.clone() for k, v in pipe.state_dict().items()}}
+    out["ref"] = [pipe.step(*_tied_batch(step), mse, optimizer=opt) for step in range(2, 5)]
+    if rank == 0:
+        as_saved_before(f"{path}/new", f"{path}/old", drop="3.weight")
+    dist.barrier()
+    for name in ("new", "old"):
+        pipe = AsyncPipe(_tied_net(1), [2, 2], chunks=2, timeout=30, shared_weights=shared)
+        opt = torch.optim.Adam(pipe.parameters(), lr=0.05)
+        checkpoint.load(pipe, opt, f"{path}/{name}")
+        loaded = {k: v.clone() for k, v in pipe.state_dict().items()}
+        stated = all(p in opt.state for p in pipe.parameters())
+        losses = [pipe.step(*_tied_batch(step), mse, optimizer=opt) for step in range(2, 5)]
+        out[name] = (losses, stated, loaded)
+    return out
+
+
+def tied_lm(seed: int) -> nn.Module:
+    """A cut language model whose head is tied to its embedding, sequentialized (5 positions:
+    tok.weight at 0, head.weight at 4), the same in every process."""
+    from cut_models import TiedLM
+
+    from asyncpipe import sequentialize
+
+    torch.manual_seed(seed)
+    return sequentialize(TiedLM(), torch.randint(0, 11, (2, 6)))
+
+
+def tied_lm_batch(step: int) -> tuple[Tensor, Tensor]:
+    ids = torch.randint(0, 11, (8, 6), generator=torch.Generator().manual_seed(step))
+    return ids, ids.roll(1, 1)
+
+
+def tied_lm_resume(rank: int, world: int, path: str) -> Any:
+    """Load the checkpoints ``new`` and ``old`` in ``path`` (of :func:`tied_lm`, saved on one
+    stage) onto balance [2, 3] with the tie named by its original names, and train 3 steps:
+    for each, the losses and whether every parameter got optimizer state."""
+    from cut_models import lm_loss
+
+    from asyncpipe import checkpoint
+
+    out = {}
+    for name in ("new", "old"):
+        pipe = AsyncPipe(
+            tied_lm(1), [2, 3], chunks=2, timeout=30, shared_weights=[("tok.weight", "head.weight")]
+        )
+        opt = torch.optim.Adam(pipe.parameters(), lr=0.05)
+        checkpoint.load(pipe, opt, f"{path}/{name}")
+        stated = all(p in opt.state for p in pipe.parameters())
+        losses = [pipe.step(*tied_lm_batch(step), lm_loss, optimizer=opt) for step in range(2, 5)]
+        out[name] = (losses, stated)
+    return out

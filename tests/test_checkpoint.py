@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 import torch
+from gloo_workers import as_saved_before, tied_lm, tied_lm_batch, tied_lm_resume, tied_reshard
+from spawn import run_ranks
 from threads import run_threads, values
 from torch import nn
 from training import batch, model, mse, optimizer, train_step
@@ -284,6 +286,101 @@ def test_loading_refuses_what_does_not_fit(tmp_path: Path) -> None:
             checkpoint.load(pipe, torch.optim.SGD(pipe.parameters(), lr=1), tmp_path)
 
     run([4, 4], other_optimizer)
+
+
+def test_an_optimizer_over_other_stages_parameters_is_refused_before_anything_loads(
+    tmp_path: Path,
+) -> None:
+    """load failed with a bare KeyError (an id) after it had loaded the weights; save named
+    the problem."""
+    run([4, 4], lambda pipe, opt, rank: checkpoint.save(pipe, opt, tmp_path, step=0))
+    net = model(seed=1)
+
+    def fn(rank: int, transport: Transport) -> None:
+        pipe = AsyncPipe(net, [4, 4], transport=transport, timeout=20)
+        before = {k: v.clone() for k, v in pipe.state_dict().items()}
+        whole = optimizer(net.parameters())  # the whole model's, not pipe.parameters()
+        with pytest.raises(ValueError, match=r"only this stage's .* build it over pipe.param"):
+            checkpoint.load(pipe, whole, tmp_path)
+        for key, value in pipe.state_dict().items():
+            assert torch.equal(value, before[key]), key
+        assert not whole.state
+
+    values(run_threads(fn, 2))
+
+
+def test_a_tied_weight_keeps_its_optimizer_state_when_a_reshard_splits_the_tie(
+    tmp_path: Path,
+) -> None:
+    """A weight tied on one stage was saved under its first position's name only, so a stage
+    holding its other position after a reshard started it with no Adam state (the steps after
+    differed); a checkpoint saved so still loads whole (the names of the tie's group)."""
+    results = run_ranks(tied_reshard, 2, str(tmp_path), timeout=120)
+    saved = {k: v for result in results for k, v in result["saved"].items()}
+    for rank, result in enumerate(results):
+        for name in ("new", "old"):
+            losses, stated, loaded = result[name]
+            assert stated, (rank, name)
+            assert losses == pytest.approx(result["ref"], rel=1e-5), (rank, name)
+            for key, value in loaded.items():  # the tied copy's weights too
+                assert torch.equal(value, saved[key]), (rank, name, key)
+    assert set(results[1]["new"][2]) == {"3.weight", "3.bias"}  # the tied copy is here
+
+
+def test_copies_of_a_tie_on_one_stage_get_their_own_optimizer_state(tmp_path: Path) -> None:
+    """A checkpoint of a weight tied by one object, loaded onto a model whose copies are two
+    parameters kept equal by shared_weights on one stage: each copy gets the tie's state (the
+    second got none), in tensors of its own (the optimizer updates them in place)."""
+
+    def net(tied: bool) -> nn.Sequential:
+        torch.manual_seed(0)
+        layers = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+        if tied:
+            layers[3].weight = layers[1].weight
+        return layers
+
+    def job(rank: int, transport: Transport, tied: bool) -> Any:
+        shared = [] if tied else [("1.weight", "3.weight")]
+        pipe = AsyncPipe(net(tied), [4], transport=transport, shared_weights=shared)
+        opt = torch.optim.Adam(pipe.parameters(), lr=0.05)
+        if tied:
+            for step in range(2):
+                pipe.step(*batch(step), mse, optimizer=opt)
+            checkpoint.save(pipe, opt, tmp_path, step=2)
+        else:
+            checkpoint.load(pipe, opt, tmp_path)
+            first, second = pipe.layers[1].weight, pipe.layers[3].weight
+            assert first is not second and first in opt.state and second in opt.state
+            for key, value in opt.state[first].items():
+                assert value is not opt.state[second][key], key
+        return [pipe.step(*batch(step), mse, optimizer=opt) for step in range(2, 5)]
+
+    want = values(run_threads(lambda rank, t: job(rank, t, tied=True), 1))
+    assert values(run_threads(lambda rank, t: job(rank, t, tied=False), 1)) == want
+
+
+def test_a_cut_models_tie_saved_on_one_stage_resumes_on_two(tmp_path: Path) -> None:
+    """Tied embedding and head (named by their names in the original model), saved on one
+    stage, resumed on two: the head's copy gets the embedding's optimizer state, also from a
+    checkpoint saved before state was stored under every position of a tied weight."""
+    from cut_models import lm_loss
+
+    net = tied_lm(0)
+
+    def one(rank: int, transport: Transport) -> list[float]:
+        pipe = AsyncPipe(net, [5], chunks=2, transport=transport, timeout=20)
+        opt = torch.optim.Adam(pipe.parameters(), lr=0.05)
+        for step in range(2):
+            pipe.step(*tied_lm_batch(step), lm_loss, optimizer=opt)
+        checkpoint.save(pipe, opt, tmp_path / "new", step=2)
+        return [pipe.step(*tied_lm_batch(step), lm_loss, optimizer=opt) for step in range(2, 5)]
+
+    want = values(run_threads(one, 1))[0]
+    as_saved_before(str(tmp_path / "new"), str(tmp_path / "old"), drop="4.module.head.weight")
+    for rank, result in enumerate(run_ranks(tied_lm_resume, 2, str(tmp_path), timeout=120)):
+        for name, (losses, stated) in result.items():
+            assert stated, (rank, name)
+            assert losses == pytest.approx(want, rel=1e-5), (rank, name)
 
 
 def test_a_checkpoint_of_another_model_is_refused(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ through :func:`consolidate`.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import re
@@ -29,10 +30,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..pipe import AsyncPipe
 from ..runtime import CHECKPOINT_CHANNEL
+from ..shared import layer_parameter_names
 from ..transport import Message
 
 __all__: list[str] = []
@@ -138,17 +140,23 @@ def _write_atomically(where: str, write: Any) -> None:
             os.remove(temporary)
 
 
-def _parameter_names(pipe: AsyncPipe) -> dict[int, str]:
-    """id of each local parameter -> its name in the plain model (first position)."""
-    names: dict[int, str] = {}
+def _parameter_names(pipe: AsyncPipe) -> dict[int, list[str]]:
+    """id of each local parameter -> its names in the plain model's state dict, one for each
+    position holding it (first: its first local position). A weight tied within this stage
+    (a reused layer, or ``model[2].weight = model[1].weight``) has several."""
+    names: dict[int, list[str]] = {}
     for index, layer in enumerate(pipe.layers):
-        for rest, param in layer.named_parameters():
-            names.setdefault(id(param), f"{pipe.local_names[index][0]}.{rest}")
+        for position in pipe.local_names[index]:
+            for rest, param in layer.named_parameters(remove_duplicate=False):
+                held = names.setdefault(id(param), [])
+                if f"{position}.{rest}" not in held:
+                    held.append(f"{position}.{rest}")
     return names
 
 
-def _optimizer_state(pipe: AsyncPipe, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer's state dict with parameters named as in the plain model."""
+def _owned_names(pipe: AsyncPipe, optimizer: torch.optim.Optimizer) -> dict[int, list[str]]:
+    """:func:`_parameter_names`, once it is checked that ``optimizer`` holds only this
+    stage's parameters (ValueError if not)."""
     names = _parameter_names(pipe)
     foreign = [
         tuple(p.shape) for g in optimizer.param_groups for p in g["params"] if id(p) not in names
@@ -158,15 +166,24 @@ def _optimizer_state(pipe: AsyncPipe, optimizer: torch.optim.Optimizer) -> dict[
             f"the optimizer must hold only this stage's parameters, but {len(foreign)} are not "
             f"this stage's (shapes {foreign[:4]}); build it over pipe.parameters()"
         )
+    return names
+
+
+def _optimizer_state(pipe: AsyncPipe, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's state dict with parameters named as in the plain model: a parameter at
+    several positions under each of their names, so that a stage holding any of them after a
+    reshard finds its state."""
+    names = _owned_names(pipe, optimizer)
     saved = optimizer.state_dict()
     state: dict[str, Any] = {}
     groups = []
     for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
         params = [names[id(p)] for p in group["params"]]
-        for name, index in zip(params, saved_group["params"]):
+        for aliases, index in zip(params, saved_group["params"]):
             if index in saved["state"]:
-                state[name] = saved["state"][index]
-        groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": params})
+                state.update((name, saved["state"][index]) for name in aliases)
+        hyper = {k: v for k, v in saved_group.items() if k != "params"}
+        groups.append({**hyper, "params": [name for aliases in params for name in aliases]})
     return {"state": state, "param_groups": groups}
 
 
@@ -395,7 +412,8 @@ def load(
         FileNotFoundError: if ``path`` holds no complete checkpoint.
         ValueError: if it is of another model (other layers, or other shapes or parameters
             in the same layers), or of another optimizer, or a file of it cannot be read
-            (the error names the file).
+            (the error names the file), or ``optimizer`` holds parameters of other stages
+            (before anything is loaded).
 
     Example:
         >>> start = asyncpipe.checkpoint.load(pipe, optimizer, "ckpt").step  # doctest: +SKIP
@@ -416,6 +434,7 @@ def load(
         )
     if problems:
         raise ValueError("; ".join(problems))
+    owned = None if optimizer is None else _owned_names(pipe, optimizer)  # before any change
     mine = {name for names in pipe.local_names for name in names}
     contents = _read(directory, mine, manifest)
     model: dict[str, Tensor] = {}
@@ -451,28 +470,66 @@ def load(
     scales = [c["loss_scale"] for c in contents if c.get("loss_scale")]
     if pipe.scaler is not None and scales:  # float16: go on with the scale it had reached
         pipe.scaler.load_state_dict(scales[0])
-    if optimizer is not None:
-        _load_optimizer(pipe, optimizer, [c["optimizer"] for c in contents if c["optimizer"]])
+    if optimizer is not None and owned is not None:
+        saved = [c["optimizer"] for c in contents if c["optimizer"]]
+        _load_optimizer(pipe, optimizer, saved, owned)
     return manifest
 
 
+def _shared_names(pipe: AsyncPipe) -> dict[int, list[str]]:
+    """id of each local parameter in a ``shared_weights`` group -> the names in the plain
+    model's state dict of every parameter of its group, at every position of the model (a
+    layer built on another stage only, a ``LazyModule``, is left out). A checkpoint saved
+    before optimizer state was stored under each position of a tied weight holds it under one
+    name only, which may be of a position now on another stage."""
+    called: dict[str, list[int]] = {}  # a name shared_weights may use -> ids it names
+    keys: dict[int, list[str]] = {}  # id -> state dict names, over every position
+    for part in pipe.partitions:
+        mine = part.stage == pipe.stage
+        for inv in part.invocations:
+            layer = pipe.layers[inv.this.index] if mine else part.layers[inv.this.index]
+            if not isinstance(layer, nn.Module):  # a LazyModule built elsewhere
+                continue
+            for name, param in layer_parameter_names(inv.order, layer):
+                called.setdefault(name, []).append(id(param))
+            for rest, param in layer.named_parameters(remove_duplicate=False):
+                keys.setdefault(id(param), []).append(f"{pipe.layer_names[inv.order]}.{rest}")
+    out: dict[int, list[str]] = {}
+    for group in pipe._shared.groups:
+        ids = {key: None for name in group.names for key in called.get(name, [])}
+        names = [name for key in ids for name in keys.get(key, [])]
+        for param in group.local:
+            out.setdefault(id(param), []).extend(names)
+    return out
+
+
 def _load_optimizer(
-    pipe: AsyncPipe, optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]]
+    pipe: AsyncPipe,
+    optimizer: torch.optim.Optimizer,
+    saved: list[dict[str, Any]],
+    names: dict[int, list[str]],
 ) -> None:
     """Give each parameter its saved state, and each group the hyperparameters of the saved
-    group its first parameter was in (e.g. a learning rate a scheduler changed)."""
-    names = _parameter_names(pipe)
+    group its first parameter was in (e.g. a learning rate a scheduler changed). A parameter's
+    state is looked up under each of its names (``names``, from :func:`_owned_names`), then
+    under those of the other copies of its ``shared_weights`` group."""
+    shared = _shared_names(pipe)
     state = {name: value for part in saved for name, value in part["state"].items()}
     group_of = {name: g for part in saved for g in part["param_groups"] for name in g["params"]}
     current = optimizer.state_dict()
     new_state: dict[int, Any] = {}
+    given: set[int] = set()
     groups = []
     for group, index_group in zip(optimizer.param_groups, current["param_groups"]):
-        params = [names[id(p)] for p in group["params"]]
-        for name, index in zip(params, index_group["params"]):
-            if name in state:
-                new_state[index] = state[name]
-        source = group_of.get(params[0]) if params else None
+        params = [names[id(p)] + shared.get(id(p), []) for p in group["params"]]
+        for aliases, index in zip(params, index_group["params"]):
+            found = next((name for name in aliases if name in state), None)
+            if found is not None:  # two copies of a tie here may find one saved state: the
+                value = state[found]  # optimizer updates its tensors in place, so copy it
+                new_state[index] = copy.deepcopy(value) if id(value) in given else value
+                given.add(id(value))
+        first = params[0] if params else []
+        source = next((group_of[name] for name in first if name in group_of), None)
         hyper = {k: v for k, v in (source or index_group).items() if k != "params"}
         groups.append({**hyper, "params": index_group["params"]})
     optimizer.load_state_dict({"state": new_state, "param_groups": groups})
