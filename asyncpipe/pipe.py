@@ -80,8 +80,9 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
         deferred_batch_norm: replace this rank's BatchNorm layers by
             :class:`~asyncpipe.DeferredBatchNorm`: each micro-batch is normalised by its own
             statistics, the running statistics are updated once per mini-batch with those of the
-            whole mini-batch (a BatchNorm layer that is the whole layer is replaced, nested ones
-            are swapped inside the caller's layer).
+            whole mini-batch, once per use for a BatchNorm called several times per forward (a
+            BatchNorm layer that is the whole layer is replaced, nested ones are swapped inside
+            the caller's layer).
         transport: ``"p2p"`` (torch.distributed send/recv), ``"shm"`` (shared memory
             between the processes of one host, over gloo; see
             :class:`~asyncpipe.transport.ShmTransport`), ``"rpc"`` (torch.distributed.rpc;
@@ -277,14 +278,14 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
         mine = self.partitions[self.stage]
         built = [layer.build() if isinstance(layer, LazyModule) else layer for layer in mine.layers]
         self.deferred_batch_norm = bool(deferred_batch_norm)
-        if self.deferred_batch_norm:
-            uses = [
-                sum(1 for inv in mine.invocations if inv.this.index == n) for n in range(len(built))
-            ]
-            built = [
-                DeferredBatchNorm.convert_deferred_batch_norm(layer, self.chunks * count)
-                for layer, count in zip(built, uses)
-            ]
+        if self.deferred_batch_norm:  # each call of a BatchNorm is a use, committed on its own
+            names = layer_names(module, len(layers))
+            runs: list[list[tuple[int, str]]] = [[] for _ in built]
+            for seg in self.segments:
+                for inv in seg.invocations:
+                    if inv.this.stage == self.stage:
+                        runs[inv.this.index].append((seg.index, names[inv.order]))
+            built = DeferredBatchNorm._convert_stage(built, self.chunks, runs)
         self.layers = nn.ModuleList(built)
         if self.device.type == "cuda":
             self.layers.to(self.device)  # in place: the caller's layer objects stay the same

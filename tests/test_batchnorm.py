@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
+from threads import run_threads, values
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from asyncpipe import AsyncPipe
 from asyncpipe.batchnorm import DeferredBatchNorm, commit_all, paused
+from asyncpipe.transport import Transport
 
 C = 3
 N = 11  # torch.chunk(…, 4) gives 3, 3, 3, 2: the last micro-batch is smaller
@@ -355,3 +359,165 @@ def test_input_checks() -> None:
     deferred.commit()
     for key, value in stats(deferred).items():
         assert torch.equal(value, before[key]), key
+
+
+# ----- a BatchNorm used several times per forward -------------------------------------------
+
+
+class TwoCalls(nn.Module):
+    """One BatchNorm called twice per forward, on two branches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.bn = nn.BatchNorm1d(8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(self.bn(self.a(x))) + self.bn(self.b(x))
+
+
+def shared_norms(seed: int = 0) -> nn.Sequential:
+    """A BatchNorm shared by positions 0 and 2, one called twice in position 1, and a layer
+    (with a cumulative BatchNorm) reused at positions 3 and 4."""
+    torch.manual_seed(seed)
+    shared = nn.BatchNorm1d(8)
+    reused = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8, momentum=None), nn.Tanh())
+    return nn.Sequential(
+        nn.Sequential(nn.Linear(8, 8), shared, nn.Tanh()),
+        TwoCalls(),
+        nn.Sequential(nn.Linear(8, 8), shared, nn.Tanh()),
+        reused,
+        reused,
+        nn.Linear(8, 8),
+    )
+
+
+def per_use_reference(
+    model: nn.Module, x: Tensor, y: Tensor, chunks: int, steps: int
+) -> tuple[list[Tensor], dict[str, Tensor]]:
+    """Gradients of per-micro-batch normalisation, and the running statistics of the plain
+    model run on the whole mini-batch: each BatchNorm updated once per use (its n-th call in
+    a forward), in the model's order, with the statistics of all the micro-batches of that
+    use."""
+    per_chunk, whole = copy.deepcopy(model), copy.deepcopy(model)
+    norms = {id(m): n for n, m in per_chunk.named_modules() if isinstance(m, nn.BatchNorm1d)}
+    seen: dict[tuple[str, int], list[Tensor]] = {}  # by use, in the order of first calls
+    calls: dict[str, int] = {}  # within one forward
+    for name in norms.values():
+        norm = per_chunk.get_submodule(name)
+
+        def record(m: nn.Module, args: tuple[Tensor, ...], name: str = name) -> None:
+            use = (name, calls.get(name, 0))
+            calls[name] = use[1] + 1
+            seen.setdefault(use, []).append(args[0].detach())
+
+        norm.register_forward_pre_hook(record)
+    pieces = list(zip(x.chunk(chunks), y.chunk(chunks)))
+    for _ in range(steps):
+        per_chunk.zero_grad()
+        for px, py in pieces:
+            calls.clear()
+            (nn.functional.mse_loss(per_chunk(px), py) / len(pieces)).backward()
+        with torch.no_grad():
+            for (name, _), inputs in seen.items():
+                whole.get_submodule(name)(torch.cat(inputs))
+        seen.clear()
+    grads = [p.grad.clone() for p in per_chunk.parameters() if p.grad is not None]
+    stats = {k: v.clone() for k, v in whole.state_dict().items() if "running" in k or "num" in k}
+    return grads, stats
+
+
+def test_convert_keeps_one_object_per_batchnorm_and_updates_once_per_use() -> None:
+    model = shared_norms()
+    inner = copy.deepcopy(model[3])
+    model.append(nn.Sequential(inner, inner))
+    x = torch.randn(N, 8)
+    y = torch.randn(N, 8)
+    want_grads, want_stats = per_use_reference(model, x, y, CHUNKS, steps=2)
+    # a block converted on its own first, then inside the whole model
+    model[6] = DeferredBatchNorm.convert_deferred_batch_norm(model[6], CHUNKS)
+    model = DeferredBatchNorm.convert_deferred_batch_norm(model, CHUNKS)
+    assert isinstance(model[0][1], DeferredBatchNorm)
+    assert model[0][1] is model[2][1]  # one object, found at both places
+    for _ in range(2):
+        model.zero_grad()
+        for px, py in zip(x.chunk(CHUNKS), y.chunk(CHUNKS)):
+            (nn.functional.mse_loss(model(px), py) / CHUNKS).backward()
+        commit_all(model)
+    for got, want in zip([p.grad for p in model.parameters()], want_grads):
+        torch.testing.assert_close(got, want)
+    got_stats = model.state_dict()
+    for key, value in want_stats.items():
+        torch.testing.assert_close(got_stats[key], value, msg=key)
+    assert int(got_stats["0.1.num_batches_tracked"]) == 4  # two uses, two steps
+    assert int(got_stats["1.bn.num_batches_tracked"]) == 4
+    assert int(got_stats["3.1.num_batches_tracked"]) == 4  # the reused layer's two positions
+    assert int(got_stats["6.0.1.num_batches_tracked"]) == 4  # twice in the converted block
+
+
+def check_pipes(
+    model: nn.Sequential, balance: list[int], world: int, **options: Any
+) -> list[AsyncPipe]:
+    """Two steps of ``AsyncPipe(model, ...)`` against :func:`per_use_reference`."""
+    torch.manual_seed(1)
+    x, y = torch.randn(N, 8), torch.randn(N, 8)
+    want_grads, want_stats = per_use_reference(model, x, y, CHUNKS, steps=2)
+
+    def fn(rank: int, transport: Transport) -> AsyncPipe:
+        pipe = AsyncPipe(
+            model, balance, chunks=CHUNKS, deferred_batch_norm=True, transport=transport,
+            timeout=10, **options,
+        )  # fmt: skip
+        for _ in range(2):
+            pipe.zero_grad()
+            pipe.step(x, y, nn.functional.mse_loss)
+        return pipe
+
+    pipes = values(run_threads(fn, world))
+    grads = [p.grad for p in model.parameters()]  # the pipes hold the caller's parameters
+    for got, want in zip(grads, want_grads):
+        torch.testing.assert_close(got, want)
+    stats: dict[str, Tensor] = {}
+    for pipe in pipes:
+        stats.update(pipe.state_dict())
+    for key, value in want_stats.items():
+        torch.testing.assert_close(stats[key], value, msg=key)
+    return pipes
+
+
+@pytest.mark.parametrize(
+    ("schedule", "policy"), [("gpipe", "always"), ("1f1b", "never"), ("zero_bubble", "except_last")]
+)
+def test_pipeline_updates_a_batchnorm_once_per_use(schedule: str, policy: str) -> None:
+    pipes = check_pipes(shared_norms(), [3, 3], 2, schedule=schedule, checkpoint=policy)
+    first, second = pipes
+    assert first[0][1] is first[2][1]  # the shared BatchNorm is one DeferredBatchNorm
+    assert int(first[0][1].num_batches_tracked) == 4  # two uses, two steps
+    assert int(first[1].bn.num_batches_tracked) == 4
+    assert int(second[0][1].num_batches_tracked) == 4  # the reused layer's two positions
+
+
+def test_interleaved_pipeline_updates_a_batchnorm_shared_across_segments_once_per_use() -> None:
+    model = shared_norms()
+    model = nn.Sequential(model[0], model[1], model[2], model[5])  # 0 and 2 on rank 0
+    pipes = check_pipes(model, [1, 1, 1, 1], 2, schedule="interleaved", virtual_stages=2)
+    assert pipes[0][0][1] is pipes[0][1][1]
+    assert int(pipes[0][0][1].num_batches_tracked) == 4
+
+
+def test_pipeline_refuses_a_batchnorm_layer_reused_in_two_segments_of_a_stage() -> None:
+    reused = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))
+    model = nn.Sequential(reused, nn.Linear(8, 8), nn.Linear(8, 8), reused)
+
+    def fn(rank: int, transport: Transport) -> AsyncPipe:
+        return AsyncPipe(
+            model, [2, 2], chunks=2, deferred_batch_norm=True, transport=transport, timeout=10
+        )
+
+    (status, error), (other, _) = run_threads(fn, 2)
+    assert status == "error" and other == "error"
+    assert isinstance(error, ValueError)
+    message = str(error)
+    assert "positions '0', '3'" in message and "BatchNorm '0.1'" in message
+    assert "its own layer object" in message
