@@ -387,6 +387,10 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
             self._tell_replicas(e, averages)
             raise
         except MismatchedBatch as e:  # the step ended cleanly on every rank: nothing is in flight
+            if self.deferred_batch_norm:  # its statistics mean nothing either: not committed
+                for module in self.layers.modules():
+                    if isinstance(module, DeferredBatchNorm):
+                        module.discard()
             self._tell_replicas(e, averages)
             raise
         except BaseException as e:

@@ -379,3 +379,32 @@ def driver_worker_exits(rank: int, world: int) -> Any:
         warnings.simplefilter("ignore")  # closing the stages fails: a worker is gone
         pipe.shutdown()
     return seen
+
+
+def driver_reused_last(rank: int, world: int) -> Any:
+    """A model whose last position reuses its first layer ([A, B, C, A], balance [2, 2]): its
+    last stage runs on rank 0. The driver sent the target to rank 1 (the loss failed: "the
+    target is None") and returned rank 1's output (None) from pipe(x). Also: data_parallel_size
+    is refused up front (the error blamed a transport the user never passed)."""
+    asyncpipe.init(rpc=True)
+    if rank != 0:
+        asyncpipe.rpc.serve()
+        return None
+    torch.manual_seed(0)
+    a = nn.Linear(8, 8)
+    model = nn.Sequential(a, nn.Tanh(), nn.Linear(8, 8), a)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    want_loss, _ = reference(model, x, y, 2, mse)
+    try:
+        asyncpipe.rpc.RemotePipe(model, [2, 2], chunks=2, data_parallel_size=2)
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    pipe = asyncpipe.rpc.RemotePipe(model, [2, 2], chunks=2, timeout=30)
+    loss = pipe.step(x, y, mse)
+    pipe.eval()
+    output = pipe(x)
+    with torch.no_grad():
+        want_output = model(x)
+    pipe.shutdown()
+    return abs(loss - want_loss), float((output - want_output).abs().max()), refused

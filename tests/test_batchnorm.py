@@ -521,3 +521,28 @@ def test_pipeline_refuses_a_batchnorm_layer_reused_in_two_segments_of_a_stage() 
     message = str(error)
     assert "positions '0', '3'" in message and "BatchNorm '0.1'" in message
     assert "its own layer object" in message
+
+
+@pytest.mark.filterwarnings("ignore:Using a target size")  # mse broadcasts the short target
+def test_a_mismatched_batch_leaves_deferred_statistics_as_they_were() -> None:
+    """MismatchedBatch ended the step without committing: the accumulators kept its
+    micro-batches and the next good step failed ("tracked 4 micro-batches ... without a
+    commit()"), breaking the pipeline."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 8), nn.Tanh())
+    fresh = copy.deepcopy(model)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+
+    def fn(net: nn.Module, wrong: bool) -> Any:
+        def run(rank: int, transport: Transport) -> Any:
+            pipe = AsyncPipe(net, [2, 2], chunks=4, transport=transport, deferred_batch_norm=True)
+            if wrong:
+                with pytest.raises(ValueError, match="same batch size"):
+                    pipe.step(x, y[:4], nn.functional.mse_loss)
+            return pipe.step(x, y, nn.functional.mse_loss)
+
+        return values(run_threads(run, 2))
+
+    assert fn(model, True) == fn(fresh, False)
+    for a, b in zip(model.state_dict().values(), fresh.state_dict().values()):
+        assert torch.equal(a, b)

@@ -9,6 +9,7 @@ from rpc_workers import (
     driver_dies,
     driver_elsewhere,
     driver_everywhere,
+    driver_reused_last,
     driver_stage_cannot_build,
     driver_worker_exits,
     driver_worker_stuck,
@@ -103,6 +104,12 @@ def test_workers_stop_serving_when_the_driver_dies() -> None:
     assert status == "ok"
     assert "the driver ('worker0') went away without shutting down" in message
     assert seconds < 60
+
+
+def test_a_driver_whose_last_stage_is_on_rank_zero_steps_and_infers() -> None:
+    loss, output, refused = run_ranks(driver_reused_last, 2, timeout=120)[0]
+    assert loss < 1e-6 and output < 1e-6, (loss, output)
+    assert "data_parallel_size must be 1" in refused, refused
 
 
 def test_a_worker_that_exits_or_is_gone_is_named_by_the_driver() -> None:

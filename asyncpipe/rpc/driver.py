@@ -59,11 +59,12 @@ class RemotePipe:
             ``functools.partial(torch.optim.SGD, lr=0.1)``) built on every stage.
         **kwargs: what ``AsyncPipe`` takes besides ``transport`` (chunks, checkpoint,
             schedule, ...), but ``schedule="2bw"``, whose updates need each stage's
-            optimizer inside the step (run ``AsyncPipe`` on every rank for it).
+            optimizer inside the step, and ``data_parallel_size`` (run ``AsyncPipe`` on every
+            rank for either).
 
     Raises:
         RuntimeError: on any rank but 0, or when RPC is not running.
-        ValueError: ``transport`` or ``schedule="2bw"`` given.
+        ValueError: ``transport``, ``schedule="2bw"`` or ``data_parallel_size`` given.
 
     Example:
         >>> asyncpipe.init(rpc=True)                                   # doctest: +SKIP
@@ -107,6 +108,12 @@ class RemotePipe:
                 "RemotePipe does not run schedule='2bw' (its updates are applied inside each "
                 "step, with the stage's optimizer); run AsyncPipe(..., schedule='2bw') on every "
                 "rank instead, or pick another schedule"
+            )
+        if kwargs.get("data_parallel_size", 1) != 1:
+            raise ValueError(
+                "RemotePipe drives one pipeline over every rank and does not replicate it "
+                "(data_parallel_size must be 1); for data parallelism run AsyncPipe(..., "
+                "data_parallel_size=N) on every rank"
             )
         world = dist.get_world_size()
         if optimizer is not None and world > 1:
@@ -224,19 +231,20 @@ class RemotePipe:
     def step(self, input: object, target: object, loss_fn: Callable[..., Tensor]) -> float:
         """Forward and backward of one mini-batch on every stage; returns the mean loss.
         ``loss_fn`` is sent to the last stage, so it must be picklable."""
-        last = self.stages - 1
+        first, last = self.pipe.first_rank, self.pipe.last_rank  # a reused layer may end it
         if last > 0:
             _sendable(loss_fn, "loss_fn")
         losses = self._each(
             remote.step,
-            lambda r: (input if r == 0 else None, target if r == last else None, loss_fn),
+            lambda r: (input if r == first else None, target if r == last else None, loss_fn),
         )
         return float(losses[0])
 
     def forward(self, input: object) -> Any:
         """Inference through the pipeline; returns the last stage's output on the driver."""
-        outputs = self._each(remote.forward, lambda r: (input if r == 0 else None,))
-        return outputs[-1]
+        first = self.pipe.first_rank
+        outputs = self._each(remote.forward, lambda r: (input if r == first else None,))
+        return outputs[self.pipe.last_rank]
 
     __call__ = forward
 

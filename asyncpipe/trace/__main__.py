@@ -19,7 +19,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Summarize a run recorded with AsyncPipe(trace=DIR) and draw its timeline.",
     )
     parser.add_argument("directory", help="the trace directory of the run")
-    parser.add_argument("--step", type=int, default=None, help="step to draw (default: last)")
+    parser.add_argument(
+        "--step",
+        type=int,
+        default=None,
+        help="step to draw (default: the last of the run's most frequent kind of step)",
+    )
     parser.add_argument("--out", default=None, help="where to write (default: the directory)")
     parser.add_argument("--no-png", action="store_true", help="skip the PNG (needs Pillow)")
     args = parser.parse_args(argv)

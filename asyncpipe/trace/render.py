@@ -91,8 +91,11 @@ def render(
         raise ValueError(f"{directory} has no recorded steps yet; run at least one step first")
     plans = load_plans(directory)
     # The run's main kind of step (e.g. training, not the evaluation between): its plan is the
-    # most frequent one; the summary covers those steps and the default picture the last one.
-    common = Counter(s.plan for s in steps).most_common(1)[0][0]
+    # most frequent one (of those as frequent, the one whose steps ran last); the summary
+    # covers those steps and the default picture the last one.
+    counts = Counter(s.plan for s in steps)
+    last_of = {s.plan: n for n, s in enumerate(steps)}
+    common = max(counts, key=lambda plan: (counts[plan], last_of[plan]))
     steps = [s for s in steps if s.plan == common] if step is None else steps
     chosen = steps[-1]
     if step is not None:
