@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -127,6 +128,11 @@ class GradientAverager:
             used += p.numel() * p.element_size()
         if current:
             self.buckets.append(current)
+        self._params = [p for bucket in self.buckets for p in bucket]
+        self._present = torch.zeros(len(self._params), dtype=torch.int64)
+        """Which parameters had a gradient here when the step's averaging started (1), which
+        got zeros to take part (0): told to the other replicas with the news, so that one
+        without a gradient on every replica keeps none, as in the plain model."""
         self._running: list[tuple[list[nn.Parameter], Tensor, dist.Work | None]] = []
         self.stop_asked = False
         """Whether any replica's ranks had asked to stop when the last step ended."""
@@ -134,6 +140,9 @@ class GradientAverager:
     def start(self, zeros: bool = False) -> None:
         """Launch the all-reduce of every bucket (non-blocking); ``zeros``: of zeros in place
         of the gradients (a failed step's part, whose gradients mean nothing)."""
+        self._present = torch.tensor(
+            [0 if zeros or p.grad is None else 1 for p in self._params], dtype=torch.int64
+        )
         for bucket in self.buckets:
             if zeros:
                 size = sum(p.numel() for p in bucket)
@@ -173,6 +182,7 @@ class GradientAverager:
             else:
                 words[2], words[3], words[4] = -1, -1, -1
             write_text(words[5:], str(failure) or type(failure).__name__)
+        words = torch.cat([words, self._present])
         group = self._group()
         where = self.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
         words = words.to(where)
@@ -195,7 +205,7 @@ class GradientAverager:
         if failed:
             replica, w = failed[0]
             stage, microbatch, rank = (int(v) for v in w[2:5])
-            text = read_text(w[5:])
+            text = read_text(w[5:_NEWS_WORDS])
             raise StageFailure(
                 f"replica {replica} of the pipeline failed in this step ({text}); stage "
                 f"{self.stage} of replica {self.replica} stops too: the replicas' gradients of "
@@ -213,6 +223,10 @@ class GradientAverager:
                 n = p.numel()
                 p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
                 offset += n
+        present = torch.stack([w[_NEWS_WORDS:] for w in news]).sum(0)
+        for p, count in zip(self._params, present.tolist()):
+            if not count:  # no replica computed a gradient of it: none, as in the plain model
+                p.grad = None
 
     def fail(self, failure: BaseException) -> None:
         """This replica's step failed (every rank of it raises): take part in the averaging that
@@ -294,6 +308,39 @@ def same_transport(name: str | None, timeout: float, replicas: int = 1) -> None:
         raise ValueError(
             f"every rank must pass the same data_parallel_size ({listed}); pass the same "
             f"data_parallel_size= (and a balance for as many pipeline ranks) on every rank"
+        )
+
+
+def same_replicas(
+    fields: dict[str, object],
+    group: dist.ProcessGroup,
+    size: int,
+    replica: int,
+    timeout: float,
+) -> None:
+    """Check, in one all_gather over this stage's replicas, that every replica built
+    ``AsyncPipe`` with the same ``fields`` (those :func:`~asyncpipe.arguments.agree` compares
+    within a pipeline): replicas built differently average gradients of other shapes (the
+    backend aborts the process) or scaled otherwise (they drift apart without an error). Raises
+    ValueError on every rank naming the fields that differ."""
+    names = [name for name in fields if name != "trace"]  # tracing may differ by replica
+    codes = [zlib.crc32(repr(fields[name]).encode()) for name in names]
+    mine = torch.tensor(codes, dtype=torch.int64, device=collective_device())
+    everyone = [torch.zeros_like(mine) for _ in range(size)]
+    timed_wait(
+        dist.all_gather(everyone, mine, group=group, async_op=True),
+        timeout,
+        "the other replicas of its stage in AsyncPipe's constructor, which compares their "
+        "arguments: did the constructor fail on a rank of another replica?",
+    )
+    differ = [name for k, name in enumerate(names) if len({int(t[k]) for t in everyone}) > 1]
+    if differ:
+        others = [r for r, t in enumerate(everyone) if not torch.equal(t, mine)]
+        found = "; ".join(f"{name} (here: {fields[name]!r})" for name in differ)
+        raise ValueError(
+            f"every replica of the pipeline must build AsyncPipe with the same arguments, and "
+            f"replica {replica}'s differ from those of replica{'s' if len(others) > 1 else ''} "
+            f"{', '.join(map(str, others))} in: {found}; pass the same values on every rank"
         )
 
 

@@ -26,7 +26,7 @@ from .lazy import LazyModule
 from .manual import ManualBackward
 from .microbatch import Tensors, as_tensors, scatter
 from .names import layer_names, rename_loaded, rename_missing, rename_saved
-from .parallel import GradientAverager, connect, refusal_seconds, refuse
+from .parallel import GradientAverager, connect, refusal_seconds, refuse, same_replicas
 from .partition import Layer, Partition, Segment, partition
 from .precision import LossScaler, clip_norm
 from .runtime import Runtime, refuse_exchange
@@ -243,6 +243,14 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
             routes,
         )
         agree(self._runtime.exchange, self.stage, fields)  # before anything waits on the others
+        if data_parallel_group is not None:  # and across the replicas of this stage
+            same_replicas(
+                fields,
+                data_parallel_group,
+                self.data_parallel_size,
+                self.data_parallel_rank,
+                self.timeout,
+            )
         if isinstance(schedule, dict):  # the same plan everywhere now: it fails alike, or runs
             self._runtime.check_fixed_plan(self.chunks)
         self._shared = SharedWeights(shared, self.stage, global_rank, self.timeout)

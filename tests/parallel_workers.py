@@ -197,3 +197,54 @@ def replicas_differ(rank: int, world: int) -> Any:
     except ValueError as e:
         return "ValueError", str(e)
     return "no error", ""
+
+
+def replica_arguments_differ(rank: int, world: int) -> Any:
+    """Replica 1 (ranks 2, 3) builds with another loss_scale: every rank is told in the
+    constructor. Before, nothing compared arguments across replicas: the replicas averaged
+    gradients scaled by different factors and drifted apart (another balance or autocast made
+    gloo abort the processes)."""
+    model = mlp(4, seed=31)
+    scale = 2.0**16 if rank < 2 else 2.0**8
+    try:
+        AsyncPipe(
+            model, [2, 2], data_parallel_size=2, autocast=torch.float16, loss_scale=scale,
+            timeout=30,
+        )  # fmt: skip
+    except ValueError as e:
+        return "ValueError", str(e)
+    return "no error", ""
+
+
+class _Spare(nn.Module):
+    """A Linear and a spare one the forward never uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.spare = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.used(x))
+
+
+def unused_parameters(rank: int, world: int) -> Any:
+    """2 stages x 2 replicas with parameters no forward uses, and AdamW's weight decay: they
+    must keep no gradient and not move, as in the plain model. Before, the averaging gave
+    them zero gradients, which the weight decay then applied."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_Spare(), _Spare(), _Spare(), _Spare())
+    spares = [layer.spare.weight.detach().clone() for layer in model]
+    pipe = AsyncPipe(model, [2, 2], chunks=2, data_parallel_size=2, timeout=30)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=0.1, weight_decay=0.5)
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    pipe.step(x if pipe.is_first_stage else None, y if pipe.is_last_stage else None, mse)
+    mine = [
+        n
+        for n, layer in enumerate(model)
+        if any(p is layer.spare.weight for p in pipe.parameters())
+    ]
+    grads = [model[n].spare.weight.grad for n in mine]
+    used = [model[n].used.weight.grad is not None for n in mine]
+    opt.step()
+    moved = [float((model[n].spare.weight - spares[n]).abs().max()) for n in mine]
+    return [g is None for g in grads], used, moved

@@ -9,11 +9,13 @@ import pytest
 from parallel_workers import (
     bf16_replicas,
     groups_released,
+    replica_arguments_differ,
     replica_fails,
     replica_stops,
     replicas_differ,
     saved_replicas,
     two_by_two,
+    unused_parameters,
 )
 from spawn import run_ranks
 
@@ -66,6 +68,19 @@ def test_ranks_that_ask_for_different_replicas_say_so_at_once() -> None:
     for kind, text in run_ranks(replicas_differ, 2, timeout=50):  # before: a 60 s timeout
         assert kind == "ValueError", (kind, text)
         assert "every rank must pass the same data_parallel_size (rank 0: 1, rank 1: 2)" in text
+
+
+def test_replicas_built_with_other_arguments_are_refused_at_once() -> None:
+    for rank, (kind, text) in enumerate(run_ranks(replica_arguments_differ, 4, timeout=120)):
+        assert kind == "ValueError", (rank, kind, text)
+        other = 1 if rank < 2 else 0
+        assert f"replica {1 - other}'s differ from those of replica {other} in: loss_scale" in text
+
+
+def test_parameters_without_a_gradient_on_every_replica_keep_none() -> None:
+    for rank, (none, used, moved) in enumerate(run_ranks(unused_parameters, 4, timeout=120)):
+        assert none == [True, True] and used == [True, True], (rank, none, used)
+        assert moved == [0.0, 0.0], (rank, moved)
 
 
 def test_a_stop_asked_on_one_replica_is_agreed_by_every_rank() -> None:
