@@ -133,6 +133,11 @@ def clip_norm(
     if not (isinstance(max_norm, (int, float)) and max_norm > 0):
         raise ValueError(f"max_norm must be a positive number (got {max_norm!r})")
     norm_type = float(norm_type)
+    if not norm_type > 0:  # a NaN too
+        raise ValueError(
+            f"norm_type must be a positive number or math.inf (got {norm_type!r}); 2.0 is "
+            f"the usual one"
+        )
     table = exchange([partial_norm(grads if counted is None else counted, norm_type)])
     total = total_norm([row[0] for row in table], norm_type)
     scale_to(grads, max_norm, total)

@@ -63,6 +63,9 @@ def test_clip_grad_norm_rejects_bad_max_norm() -> None:
     error = _error(mlp(2), lambda pipe: pipe.clip_grad_norm_(0))
     assert isinstance(error, ValueError)
     assert "max_norm must be a positive number (got 0)" in str(error)
+    for norm_type in (0, -1, float("nan")):  # 0 was a ZeroDivisionError from the total norm
+        error = _error(mlp(2), lambda pipe, kind=norm_type: pipe.clip_grad_norm_(1.0, kind))
+        assert isinstance(error, ValueError) and "norm_type must be a positive" in str(error)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
