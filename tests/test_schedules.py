@@ -110,9 +110,7 @@ def test_a_custom_plan_whose_forwards_start_with_another_micro_batch_matches() -
     model = mlp(2)
     losses, _, x, y = run(model, [1, 1], 2, "never", plan, rows=4)
     want_loss, want_grads = reference(model, x, y, 2, mse)
-    assert losses == pytest.approx([want_loss] * 2, rel=1e-6)
-    for got, want in zip(grads_of(list(model.parameters())), want_grads):
-        torch.testing.assert_close(got, want)
+    _matches(losses, want_loss, model, want_grads)
 
 
 def test_a_custom_plan_that_cannot_run_with_its_messages_fails_in_the_constructor() -> None:
@@ -337,6 +335,13 @@ def _plain(
     return total, [p.grad for p in plain.parameters()]
 
 
+def _matches(losses: list[float], want_loss: float, model: nn.Module, want_grads: Any) -> None:
+    """Both ranks' losses are the plain model's, and so are the gradients of ``model``."""
+    assert losses == pytest.approx([want_loss] * 2, rel=1e-6)
+    for got, want in zip(grads_of(list(model.parameters())), want_grads):
+        torch.testing.assert_close(got, want)
+
+
 class _TwoHeads(nn.Module):
     """A last layer with two outputs, as a (logits, auxiliary) head."""
 
@@ -396,9 +401,7 @@ def test_an_output_computed_from_another_and_both_in_the_loss(schedule: str, pol
 
     losses = _step_everywhere(model, [2, 2], schedule, policy, x, y, loss_fn)
     want_loss, want_grads = _plain(model, x, y, loss_fn)
-    assert losses == pytest.approx([want_loss] * 2, rel=1e-6)
-    for got, want in zip(grads_of(list(model.parameters())), want_grads):
-        torch.testing.assert_close(got, want)
+    _matches(losses, want_loss, model, want_grads)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero_bubble", "interleaved"])
@@ -412,9 +415,7 @@ def test_a_first_layer_that_changes_the_input_in_place_matches(schedule: str, po
     balance = [1, 1, 1, 1] if schedule == "interleaved" else [2, 2]
     losses = _step_everywhere(model, balance, schedule, policy, x.clone(), y, mse)
     want_loss, want_grads = _plain(model, x.clone(), y, mse)
-    assert losses == pytest.approx([want_loss] * 2, rel=1e-6)
-    for got, want in zip(grads_of(list(model.parameters())), want_grads):
-        torch.testing.assert_close(got, want)
+    _matches(losses, want_loss, model, want_grads)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero_bubble", "interleaved"])
@@ -441,9 +442,7 @@ def test_a_target_given_as_a_tuple_of_one_reaches_the_loss_as_one() -> None:
 
     losses = _step_everywhere(model, [2, 2], "1f1b", "never", x, (y,), loss_fn)  # type: ignore[arg-type]
     want_loss, want_grads = _plain(model, x, y, mse)
-    assert losses == pytest.approx([want_loss] * 2, rel=1e-6)
-    for got, want in zip(grads_of(list(model.parameters())), want_grads):
-        torch.testing.assert_close(got, want)
+    _matches(losses, want_loss, model, want_grads)
 
 
 class _ReadsWeight(nn.Module):
@@ -469,9 +468,7 @@ def test_a_parameter_a_layer_reads_without_registering_gets_its_gradient(schedul
     x, y = torch.randn(8, 8), torch.randn(8, 8)
     want_loss, want_grads = _plain(plain, x, y, mse, copy=False)
     losses = _step_everywhere(model, [3, 1], schedule, "never", x, y, mse)
-    assert losses == pytest.approx([want_loss] * 2, rel=1e-6)
-    for got, want in zip(grads_of(list(model.parameters())), want_grads):
-        torch.testing.assert_close(got, want)
+    _matches(losses, want_loss, model, want_grads)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero_bubble", "interleaved"])
