@@ -7,6 +7,7 @@ import os
 import random
 import socket
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -69,7 +70,12 @@ def _worker(
 
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        asyncpipe.init(backend=backend, timeout=60)
+        try:
+            asyncpipe.init(backend=backend, timeout=60)
+        except BaseException:  # the harness's own set-up: the parent starts the job again
+            with open(os.path.join(out, f"init-failed{rank}"), "w") as f:
+                f.write(traceback.format_exc())
+            raise
         result: Any = ("ok", fn(rank, world, *args))
     except BaseException as e:  # report everything to the parent
         result = ("error", f"{type(e).__name__}: {e}", traceback.format_exc())
@@ -109,7 +115,35 @@ def run_ranks_raw(
 ) -> list[Any]:
     """Like :func:`run_ranks`, but return ``("ok", value)`` or ``("error", text, tb)`` per rank;
     a rank that neither finished nor failed within ``timeout`` fails the test. With
-    ``may_die``, a rank that exited without a result comes back as ``("died", exit code)``."""
+    ``may_die``, a rank that exited without a result comes back as ``("died", exit code)``.
+    A job whose ranks could not connect (``asyncpipe.init`` failed on a rank) runs again on
+    another port, once."""
+    for attempt in range(_ATTEMPTS):
+        try:
+            return _run_once(fn, world, args, timeout, backend, may_die)
+        except _SetUpFailed as e:  # gloo could not connect the ranks (a port taken meanwhile)
+            if attempt == _ATTEMPTS - 1:
+                raise AssertionError(f"the ranks could not connect, {_ATTEMPTS} times: {e}") from e
+    raise AssertionError("unreachable")
+
+
+_ATTEMPTS = 2
+"""A job whose ranks fail to connect (the harness's own set-up, before ``fn``) is started
+again, on another port, until this many attempts in all."""
+
+
+class _SetUpFailed(Exception):
+    pass
+
+
+def _run_once(
+    fn: Callable[..., Any],
+    world: int,
+    args: tuple[Any, ...],
+    timeout: float,
+    backend: str,
+    may_die: bool,
+) -> list[Any]:
     ctx = mp.get_context("spawn")
     port = free_port()
     with tempfile.TemporaryDirectory() as out:
@@ -119,8 +153,18 @@ def run_ranks_raw(
         ]
         for p in procs:
             p.start()
-        for p in procs:
-            p.join(timeout)
+        deadline = time.monotonic() + timeout
+        while True:
+            failed = [name for name in os.listdir(out) if name.startswith("init-failed")]
+            if failed:  # the others may wait for the failed rank until init's timeout
+                for p in procs:
+                    p.kill()
+                    p.join()
+                with open(os.path.join(out, failed[0])) as f:
+                    raise _SetUpFailed(f.read().strip().splitlines()[-1])
+            if not any(p.is_alive() for p in procs) or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
         hung = [r for r, p in enumerate(procs) if p.is_alive()]
         for p in procs:
             if p.is_alive():
