@@ -80,3 +80,9 @@ def copies(tensors: Sequence[Tensor]) -> tuple[Tensor, ...]:
     """Copies of ``tensors`` for a forward under ``torch.no_grad()`` whose inputs are read
     again by a recompute: a layer that modifies its input in place then changes the copy."""
     return tuple(t.clone() for t in tensors)
+
+
+def differentiable(tensor: Tensor) -> bool:
+    """Whether autograd can carry a gradient for ``tensor``'s dtype: floating point or complex
+    (integer and boolean tensors never require grad)."""
+    return tensor.is_floating_point() or tensor.is_complex()

@@ -19,14 +19,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .alias import alias, aliases, copies, own_version
+from .alias import alias, aliases, copies, differentiable, own_version
 from .batchnorm import paused
 from .failure import loss_hint
 from .microbatch import Tensors, as_tensors
 from .recompute import RNGState, checkpointed
 from .schedule import Action
 from .skip.routes import SkipRoutes
-from .skip.tracker import SkipTracker, differentiable, use
+from .skip.tracker import SkipTracker, use
 from .split import input_backward, run_cut, weight_backward
 from .work import Grads, Skips, Work, leaves, unwrap
 

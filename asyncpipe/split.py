@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .alias import alias
+from .alias import alias, differentiable
 from .skip.namespace import SkipKey
-from .skip.tracker import SkipTracker, differentiable
+from .skip.tracker import SkipTracker
 
 __all__: list[str] = []
 

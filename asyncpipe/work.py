@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from .alias import differentiable
 from .microbatch import Tensors
 from .recompute import RNGState
 from .schedule import Action
 from .skip.namespace import SkipKey
-from .skip.tracker import differentiable
 from .split import LayerRun
 from .transport import PendingRecv
 

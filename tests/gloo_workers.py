@@ -745,13 +745,8 @@ def in_place_sibling(rank: int, world: int, transport: str) -> Any:
     torch.manual_seed(0)
     model = nn.Sequential(_Split(), _SinOfSecond(), _ReluFirstInPlace(), nn.Linear(8, 8))
     x, y = torch.randn(8, 8), torch.randn(8, 8)
-    plain = copy.deepcopy(model)
-    want_loss = 0.0
-    for px, py in zip(x.chunk(4), y.chunk(4)):
-        loss = mse(plain(px), py) / 4
-        loss.backward()
-        want_loss += float(loss.detach())
-    grads = dict(enumerate(p.grad for p in plain.parameters()))
+    want_loss, want = reference(model, x, y, 4, mse)
+    grads = dict(enumerate(want))
     pipe = AsyncPipe(model, [1, 3], chunks=4, checkpoint="never", transport=transport, timeout=30)
     loss = pipe.step(x, y, mse)
     return abs(loss - want_loss), _diff(pipe, grads, model)
@@ -786,13 +781,9 @@ def lazy_views(rank: int, world: int, schedules: tuple[str, ...], transport: str
             torch.manual_seed(0)
             model = nn.Sequential(nn.Linear(width, width), _LazyViews(), _FromLazyViews())
             x, y = torch.randn(rows, width), torch.randn(rows, width)
-            plain = copy.deepcopy(model)
-            want_loss = 0.0
-            for px, py in zip(x.chunk(2), y.chunk(2)):
-                loss = mse(plain(px), py) / 2
-                loss.backward()
-                want_loss += float(loss.detach())
-            grads = dict(enumerate(p.grad for p in plain.parameters()))
+            plain = copy.deepcopy(model)  # for the inference below
+            want_loss, want = reference(model, x, y, 2, mse)
+            grads = dict(enumerate(want))
             pipe = AsyncPipe(
                 model, [2, 1], chunks=2, schedule=schedule, timeout=30, transport=transport
             )

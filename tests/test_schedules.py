@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 import torch
-from models import grads_of, mlp, reference
+from models import WithAux, grads_of, mlp, reference
 from stubs import Unused
 from threads import run_pipes, run_threads, values
 from torch import Tensor, nn
@@ -374,18 +374,6 @@ def test_a_loss_that_reads_part_of_a_tuple_output_matches(schedule: str) -> None
             torch.testing.assert_close(got, want)
 
 
-class _WithAux(nn.Module):
-    """A last layer whose second output is computed from its first (an auxiliary loss term)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(8, 8)
-
-    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        h = self.a(x)
-        return h, (h**2).mean()
-
-
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero_bubble"])
 @pytest.mark.parametrize("policy", ["never", "always"])
 def test_an_output_computed_from_another_and_both_in_the_loss(schedule: str, policy: str) -> None:
@@ -393,7 +381,7 @@ def test_an_output_computed_from_another_and_both_in_the_loss(schedule: str, pol
     graph and back-propagated the second's through it again: the backward failed ("Trying to
     backward through the graph a second time"), or counted that part twice."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), _WithAux())
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), WithAux())
     x, y = torch.randn(8, 8), torch.randn(8, 8)
 
     def loss_fn(out: Any, target: Tensor) -> Tensor:

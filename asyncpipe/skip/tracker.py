@@ -18,16 +18,10 @@ from contextvars import ContextVar
 
 from torch import Tensor
 
-from ..alias import alias
+from ..alias import alias, differentiable
 from .namespace import SkipKey, describe
 
 __all__: list[str] = []
-
-
-def differentiable(tensor: Tensor) -> bool:
-    """Whether autograd can carry a gradient for ``tensor``'s dtype: floating point or complex
-    (integer and boolean tensors never require grad)."""
-    return tensor.is_floating_point() or tensor.is_complex()
 
 
 class SkipTracker:
