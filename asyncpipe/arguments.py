@@ -276,8 +276,13 @@ def _device(device: object) -> list[str]:
         where = torch.device(device)  # type: ignore[call-overload]
     except (RuntimeError, TypeError) as e:
         return [f"device must be a torch.device or its name, e.g. 'cuda:0' ({e})"]
-    if where.type != "cuda":
+    if where.type == "cpu":
         return []
+    if where.type != "cuda":
+        return [
+            f"device {str(where)!r} is not supported: a stage computes on 'cpu' or on a "
+            f"CUDA device ('cuda', 'cuda:0', ...); leave device out for the default"
+        ]
     if not torch.cuda.is_available():
         return [
             f"device {str(where)!r} is a CUDA device, but this process sees no GPU (torch "

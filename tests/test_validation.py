@@ -177,6 +177,8 @@ def test_a_loss_without_grad_fails_the_step_as_the_plain_backward_would(
             "'cuda:99' (is a CUDA device, but this process sees no GPU|does not)",
         ),
         ({"device": "bogus"}, "device must be a torch.device or its name"),
+        ({"device": "meta"}, "device 'meta' is not supported: a stage computes on 'cpu' or"),
+        ({"device": torch.device("mps")}, "device 'mps' is not supported"),
     ],
 )
 def test_options_that_could_only_fail_later_fail_in_the_constructor(
