@@ -419,10 +419,37 @@ def test_other_shapes_or_a_missing_bias_at_the_same_positions_are_named(tmp_path
             if rank == 0:
                 with pytest.raises(ValueError, match=f"other layers at the same .*{words[case]}"):
                     checkpoint.load(pipe, None, tmp_path)
-            else:  # its layers are the saved ones
-                checkpoint.load(pipe, None, tmp_path)
+            else:  # its layers are the saved ones, but rank 0 refused: it loads nothing
+                with pytest.raises(RuntimeError, match=f"loaded on no rank .*{words[case]}"):
+                    checkpoint.load(pipe, None, tmp_path)
 
         values(run_threads(fn, 2))
+
+
+def test_a_checkpoint_one_rank_refuses_is_loaded_on_no_rank(tmp_path: Path) -> None:
+    """load was not collective: the ranks that could load it did, and went on to their first
+    step, where they waited for the refusing rank until their timeout."""
+
+    def trained(pipe: AsyncPipe, opt: Any, rank: int) -> None:
+        train_step(pipe, opt, 0)
+        checkpoint.save(pipe, opt, tmp_path, step=1)
+
+    run([4, 4], trained)
+    (tmp_path / "stage0.step1.pt").unlink()  # rank 0's layers are gone, rank 1's are there
+
+    def job(pipe: AsyncPipe, opt: Any, rank: int) -> Any:
+        before = {k: v.clone() for k, v in pipe.state_dict().items()}
+        started = time.monotonic()
+        error = (ValueError, "") if rank == 0 else (RuntimeError, "no rank .*rank 0: ValueError: ")
+        with pytest.raises(error[0], match=error[1] + r"stage0.step1.pt in .* is missing"):
+            checkpoint.load(pipe, opt, tmp_path)
+        seconds = time.monotonic() - started
+        for key, value in pipe.state_dict().items():
+            assert torch.equal(value, before[key]), (rank, key)
+        assert not opt.state
+        return seconds
+
+    assert all(seconds < 10 for seconds in run([4, 4], job))  # the timeout is 20 s
 
 
 def test_a_damaged_checkpoint_is_named(tmp_path: Path) -> None:
@@ -432,9 +459,9 @@ def test_a_damaged_checkpoint_is_named(tmp_path: Path) -> None:
 
     def fn(rank: int, transport: Transport) -> None:
         pipe = AsyncPipe(model(), [4, 4], transport=transport)
-        if rank == 1:
-            with pytest.raises(ValueError, match=r"stage1.step0.pt in .* cannot be read"):
-                checkpoint.load(pipe, None, tmp_path)
+        error = (ValueError, "") if rank == 1 else (RuntimeError, "rank 1: ValueError: ")
+        with pytest.raises(error[0], match=error[1] + r"stage1.step0.pt in .* cannot be read"):
+            checkpoint.load(pipe, None, tmp_path)
 
     values(run_threads(fn, 2))
     manifest = tmp_path / files.MANIFEST
@@ -460,8 +487,8 @@ def test_a_stop_asked_on_one_rank_is_agreed_on_every_rank_after_the_step() -> No
 
 
 def test_a_2bw_pipeline_in_flight_is_flushed_before_it_is_saved(tmp_path: Path) -> None:
-    """save() refuses a 2BW pipeline with a mini-batch in flight (its update would be lost);
-    GracefulStop.check drains it first, so the checkpoint holds every update."""
+    """save() and load() refuse a 2BW pipeline with a mini-batch in flight (its update would be
+    lost, or run on other weights); GracefulStop.check drains it first, so the checkpoint holds every update."""
     net = model(0)
 
     def fn(rank: int, transport: Transport) -> Any:
@@ -471,6 +498,8 @@ def test_a_2bw_pipeline_in_flight_is_flushed_before_it_is_saved(tmp_path: Path) 
             pipe.step(*batch(step), mse, optimizer=opt)
         with pytest.raises(RuntimeError, match=r"call pipe.flush\(\) on every rank before"):
             checkpoint.save(pipe, opt, tmp_path, step=2)
+        with pytest.raises(RuntimeError, match=r"call pipe.flush\(\) on every rank before load"):
+            checkpoint.load(pipe, opt, tmp_path)  # a mini-batch in flight would go on with it
         stop = checkpoint.GracefulStop.__new__(checkpoint.GracefulStop)  # no signal handlers
         stop.pipe, stop.optimizer, stop.path, stop._previous = pipe, opt, tmp_path, {}
         pipe._runtime.stop_agreed = True  # as if a rank had asked to stop

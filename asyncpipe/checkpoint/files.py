@@ -187,10 +187,10 @@ def _optimizer_state(pipe: AsyncPipe, optimizer: torch.optim.Optimizer) -> dict[
     return {"state": state, "param_groups": groups}
 
 
-def _exchange(pipe: AsyncPipe, error: str | None, step: int) -> str | None:
-    """Every rank tells rank 0 how its part of saving ``step`` went; rank 0 answers with the
-    verdict. Returns the first problem reported (rank 0 adds its own, and ranks that saved
-    another step), or None when all went well."""
+def _exchange(pipe: AsyncPipe, error: str | None, step: int, done: str = "saved") -> str | None:
+    """Every rank tells rank 0 how its part of saving (or loading, ``done="loaded"``) ``step``
+    went; rank 0 answers with the verdict (:func:`_answer`). Returns the problems reported
+    (rank 0 adds its own, and ranks that ``done`` another step), or None when all went well."""
     transport, timeout = pipe.transport, pipe.timeout
     ok = (torch.tensor([float(step)], dtype=torch.float64),)
     if transport.rank != 0:
@@ -212,8 +212,8 @@ def _exchange(pipe: AsyncPipe, error: str | None, step: int) -> str | None:
         theirs = int(message.values(peer, "checkpoint step")[0])
         if error is None and theirs != step:
             problems.append(
-                f"rank {peer} saved step {theirs} where rank 0 saved step {step}: pass the same "
-                f"step on every rank"
+                f"rank {peer} {done} step {theirs} where rank 0 {done} step {step}: pass the "
+                f"same {'step' if done == 'saved' else 'path'} on every rank"
             )
     return "; ".join(problems) or None
 
@@ -378,6 +378,11 @@ def _read(directory: str, names: set[str], manifest: Manifest) -> list[dict[str,
         if names & set(layers):
             try:
                 content = torch.load(os.path.join(directory, file), map_location="cpu")
+            except FileNotFoundError as e:
+                raise ValueError(
+                    f"{file} in {directory!r} is missing (the manifest names it): restore it, "
+                    f"or load another checkpoint"
+                ) from e
             except Exception as e:
                 raise ValueError(
                     f"{file} in {directory!r} cannot be read ({type(e).__name__}: "
@@ -403,7 +408,9 @@ def load(
 
     The checkpoint may come from a pipeline with another balance or number of stages: each rank
     reads the files that hold its layers. Call it on every rank after building ``pipe`` and the
-    optimizer (over ``pipe.parameters()``), before the first step.
+    optimizer (over ``pipe.parameters()``), before the first step (under ``schedule="2bw"``,
+    after ``pipe.flush()``). The ranks check everything before any of them changes anything:
+    if one rank refuses the checkpoint, no rank loads it.
 
     Returns:
         the checkpoint's manifest: ``manifest.step`` is the step to go on from.
@@ -412,13 +419,58 @@ def load(
         FileNotFoundError: if ``path`` holds no complete checkpoint.
         ValueError: if it is of another model (other layers, or other shapes or parameters
             in the same layers), or of another optimizer, or a file of it cannot be read
-            (the error names the file), or ``optimizer`` holds parameters of other stages
-            (before anything is loaded).
+            (the error names the file), or ``optimizer`` holds parameters of other stages.
+        RuntimeError: on the other ranks, when one of them raised one of these (rank 0
+            names it and its error), or the ranks read checkpoints of different steps;
+            nothing was loaded on any rank.
 
     Example:
         >>> start = asyncpipe.checkpoint.load(pipe, optimizer, "ckpt").step  # doctest: +SKIP
     """
+    if pipe.in_flight:  # the same on every rank: all raise
+        raise RuntimeError(
+            "schedule '2bw' keeps a mini-batch in flight between steps, which would go on with "
+            "the loaded weights; call pipe.flush() on every rank before loading"
+        )
     directory = os.fspath(path)
+    failure: Exception | None = None
+    found = None
+    try:
+        found = _check(pipe, optimizer, directory)
+    except Exception as e:
+        failure = e
+    error = None if failure is None else f"{type(failure).__name__}: {failure}"
+    verdict = _exchange(pipe, error, -1 if found is None else found[0].step, done="loaded")
+    if pipe.transport.rank == 0:
+        _answer(pipe, verdict)
+    if pipe.data_parallel_size > 1:  # one replica loading alone would leave the others apart
+        failed = pipe._replicas_max(1.0 if verdict is not None else 0.0)
+        if failed and verdict is None:
+            verdict = "another replica's ranks refused it; see the errors there"
+    if failure is not None:
+        raise failure
+    if verdict is not None or found is None:
+        raise RuntimeError(
+            f"the checkpoint in {directory!r} was loaded on no rank ({verdict}); this rank "
+            f"could have loaded it: fix the problem named and load again on every rank"
+        )
+    manifest, model, contents, owned = found
+    pipe.load_state_dict(model)
+    scales = [c["loss_scale"] for c in contents if c.get("loss_scale")]
+    if pipe.scaler is not None and scales:  # float16: go on with the scale it had reached
+        pipe.scaler.load_state_dict(scales[0])
+    if optimizer is not None and owned is not None:
+        saved = [c["optimizer"] for c in contents if c["optimizer"]]
+        _load_optimizer(pipe, optimizer, saved, owned)
+    return manifest
+
+
+def _check(
+    pipe: AsyncPipe, optimizer: torch.optim.Optimizer | None, directory: str
+) -> tuple[Manifest, dict[str, Tensor], list[dict[str, Any]], dict[int, list[str]] | None]:
+    """This rank's part of :func:`load` before it changes anything: the manifest, the model
+    state of the local layers, the stage files read, and the optimizer's parameter names; or
+    the error that refuses the checkpoint."""
     manifest = read_manifest(directory)
     problems = []
     if list(manifest.layers) != pipe.layer_names:
@@ -466,14 +518,7 @@ def load(
             f"positions: it holds {', '.join(other[:4])}; load it into the model it was saved "
             f"from"
         )
-    pipe.load_state_dict(model)
-    scales = [c["loss_scale"] for c in contents if c.get("loss_scale")]
-    if pipe.scaler is not None and scales:  # float16: go on with the scale it had reached
-        pipe.scaler.load_state_dict(scales[0])
-    if optimizer is not None and owned is not None:
-        saved = [c["optimizer"] for c in contents if c["optimizer"]]
-        _load_optimizer(pipe, optimizer, saved, owned)
-    return manifest
+    return manifest, model, contents, owned
 
 
 def _shared_names(pipe: AsyncPipe) -> dict[int, list[str]]:
