@@ -80,6 +80,7 @@ class ManualBackward:
     _last_segment: int
     _shared: SharedWeights
     _averager: GradientAverager | None
+    overflow: bool
 
     if TYPE_CHECKING:  # provided by AsyncPipe (and nn.Module)
         training: bool
@@ -132,6 +133,8 @@ class ManualBackward:
                 "last stage's output and back_helper(output) on the other stages first"
             )
         train = self.training and torch.is_grad_enabled()
+        if train:  # a pass without loss scale: gradients again, whatever the last step did
+            self.overflow = False
         prepare = self._prepare(input, None, None, train=train)
         work = self._run(prepare, _is_forward if train else None, averages=train)
         last = self._last_segment if self.is_last_stage else max(self._runtime.segments)

@@ -196,7 +196,8 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
         self.reduce_activations = bool(reduce_activations)
         self.scaler = LossScaler(float(loss_scale)) if autocast is torch.float16 else None
         self.overflow = False
-        """Whether the last step overflowed in float16 (its gradients were dropped everywhere)."""
+        """Whether the last step overflowed in float16 (its gradients were dropped everywhere);
+        a training ``pipe(input)`` after it sets it back to False."""
         self.grad_norm = float("nan")
         """The norm over every stage of the gradient that the last ``step(..., max_norm=...)``
         (or ``flush()`` after it) clipped, before clipping; NaN when it clipped none (also
@@ -587,7 +588,8 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
         gradients by the same factor.
 
         Returns:
-            the total norm of the gradients before clipping (the same on every rank).
+            the total norm of the gradients before clipping (the same on every rank); NaN
+            after a float16 step that overflowed (its gradients were dropped, ``overflow``).
 
         Example:
             >>> loss = pipe.step(x, y, loss_fn)                # doctest: +SKIP
@@ -601,6 +603,8 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
                 "pass max_norm to step() instead, which clips that gradient by its norm over "
                 "every stage: pipe.step(x, y, loss_fn, optimizer=optimizer, max_norm=1.0)"
             )
+        if self.overflow:  # the same on every rank: the step dropped every stage's gradients
+            return torch.tensor(float("nan"))  # as torch's norm of the unscaled inf gradients
         repeated = self._shared.repeated()  # copies of a shared weight count once
         pairs = [(id(p), g.detach()) for p in self.parameters() if (g := p.grad) is not None]
         counted = [g for key, g in pairs if key not in repeated]

@@ -488,7 +488,8 @@ def test_a_stop_asked_on_one_rank_is_agreed_on_every_rank_after_the_step() -> No
 
 def test_a_2bw_pipeline_in_flight_is_flushed_before_it_is_saved(tmp_path: Path) -> None:
     """save() and load() refuse a 2BW pipeline with a mini-batch in flight (its update would be
-    lost, or run on other weights); GracefulStop.check drains it first, so the checkpoint holds every update."""
+    lost, or run on other weights); GracefulStop.check drains it first, so the checkpoint
+    holds every update."""
     net = model(0)
 
     def fn(rank: int, transport: Transport) -> Any:

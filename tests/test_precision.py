@@ -174,6 +174,31 @@ def test_an_overflowed_step_with_an_optimizer_clips_and_applies_nothing() -> Non
         assert n1 > 0 and math.isnan(n2), (rank, steps)  # was 0.0: no gradient is not norm 0
 
 
+def test_clipping_after_an_overflowed_step_gives_nan_until_a_pass_computes_gradients() -> None:
+    """clip_grad_norm_ after a float16 step that overflowed returned 0.0 (the dropped
+    gradients), where torch's clip after GradScaler's unscale gives a norm that is not finite;
+    pipe.grad_norm already said NaN. A pipe(x) pass after it computes gradients again."""
+    poisoned, model, x, y = poisoned_job()
+
+    def fn(pipe: AsyncPipe) -> list[Any]:
+        if pipe.stage == 0:
+            poisoned.poison = True
+        pipe.step(x, y, mse)
+        poisoned.poison = False
+        dropped = (pipe.overflow, float(pipe.clip_grad_norm_(1e9)))
+        out = pipe(x)
+        if pipe.is_last_stage:
+            mse(out, y).backward()
+        else:
+            pipe.back_helper(out)
+        return [dropped, (pipe.overflow, float(pipe.clip_grad_norm_(1e9)))]
+
+    for rank, steps in enumerate(_pipes(model, [2, 2], fn, chunks=2, autocast=torch.float16)):
+        (o1, n1), (o2, n2) = steps
+        assert o1 and math.isnan(n1), (rank, steps)
+        assert not o2 and math.isfinite(n2) and n2 > 0, (rank, steps)
+
+
 def test_autocast_must_be_a_reduced_float_type() -> None:
     error = _error(mlp(2), lambda pipe: None, autocast=torch.float64)
     assert isinstance(error, ValueError)
