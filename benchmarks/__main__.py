@@ -140,8 +140,8 @@ def run_part(part: Part, args: argparse.Namespace) -> tuple[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    if args.list:
-        for part in PARTS:
+    if args.list:  # the parts selected by --only and --skip (all of them without)
+        for part in args.parts:
             keys = ", ".join(part.keys)
             print(f"{part.name}: {part.what}; docs/{part.page} ({keys}); ~{part.minutes:g} min")
             for command in commands(part, args):

@@ -34,6 +34,13 @@ __all__ = ["main"]
 
 
 def _worker(args: argparse.Namespace) -> int:
+    """Run the configuration, write the step times (seconds) rank 0 measured.
+
+    A flushing schedule's step is timed between barriers, each step the slowest rank's. 2BW
+    never drains between mini-batches (a barrier between steps would drain it), so each rank
+    times its ``--steps`` steps in a row with no barrier between them and divides, as
+    ``plan`` predicts its steady-state step; the slowest rank's is the one figure written.
+    """
     import torch.distributed as dist
 
     import asyncpipe
@@ -44,18 +51,36 @@ def _worker(args: argparse.Namespace) -> int:
     model = build_model(args.f_ms, sum(balance))
     x = torch.randn(args.batch, *SHAPES[args.shape])
     pipe = asyncpipe.AsyncPipe(
-        model, balance, chunks=args.chunks, checkpoint="never", schedule=args.schedule
+        model,
+        balance,
+        chunks=args.chunks,
+        checkpoint="never",
+        schedule=args.schedule,
+        virtual_stages=args.virtual_stages,
     )
-    seconds = []
-    for step in range(args.warmup + args.steps):
-        model.zero_grad(set_to_none=True)
-        dist.barrier()
+    if args.schedule == "2bw":  # it applies each update itself: it needs the optimizer
+        optimizer = torch.optim.SGD(pipe.parameters(), lr=1e-6)
+        for _ in range(args.warmup):
+            pipe.step(x, None, lambda out, _: out.mean(), optimizer=optimizer)
+        dist.barrier()  # the 2BW pipeline stays full through the barrier: no flush yet
         start = time.perf_counter()
-        pipe.step(x, None, lambda out, _: out.mean())
-        took = torch.tensor([time.perf_counter() - start])
+        for _ in range(args.steps):
+            pipe.step(x, None, lambda out, _: out.mean(), optimizer=optimizer)
+        took = torch.tensor([(time.perf_counter() - start) / args.steps])
+        pipe.flush()
         dist.all_reduce(took, op=dist.ReduceOp.MAX)
-        if step >= args.warmup:
-            seconds.append(float(took))
+        seconds = [float(took)]
+    else:
+        seconds = []
+        for step in range(args.warmup + args.steps):
+            model.zero_grad(set_to_none=True)
+            dist.barrier()
+            start = time.perf_counter()
+            pipe.step(x, None, lambda out, _: out.mean())
+            took = torch.tensor([time.perf_counter() - start])
+            dist.all_reduce(took, op=dist.ReduceOp.MAX)
+            if step >= args.warmup:
+                seconds.append(float(took))
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(seconds))
     dist.barrier()
@@ -125,7 +150,8 @@ def _measure(args: argparse.Namespace, candidate: Any, logs: Path) -> float:
         worker_args = [
             "--worker", "--f-ms", str(args.f_ms), "--batch", str(args.batch),
             "--shape", args.shape, "--chunks", str(candidate.chunks),
-            "--schedule", candidate.schedule, "--warmup", str(args.warmup),
+            "--schedule", candidate.schedule,
+            "--virtual-stages", str(candidate.virtual_stages), "--warmup", str(args.warmup),
             "--steps", str(args.steps),
             "--balance", ",".join(map(str, candidate.balance)), "--out", str(out),
         ]  # fmt: skip
@@ -148,6 +174,46 @@ def _chosen(ranking: Any) -> list[Any]:
     if poor and poor[-1] not in picked:
         picked.append(poor[-1])
     return picked
+
+
+def _checked(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> tuple[list[int] | None, tuple[str, ...]]:
+    """The chunk counts (None: every divisor) and schedules ``plan`` may choose; exits through
+    ``parser.error`` if ``plan`` would refuse them (before the profiling, not after it)."""
+    from asyncpipe.schedule import NAMES
+
+    text = args.schedules
+    schedules = tuple(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
+    unknown = [s for s in schedules if s not in NAMES]
+    if unknown or not schedules:
+        fixed = [s.lower() for s in schedules]
+        good = fixed and all(f in NAMES for f in fixed)
+        hint = f"; pass --schedules {','.join(fixed)}" if good else ""
+        parser.error(
+            f"argument --schedules: must be names from {', '.join(NAMES)}, in lower case and "
+            f"separated by commas (got {text!r}"
+            + (f"; unknown: {', '.join(unknown)}" if unknown else "")
+            + f"){hint}"
+        )
+    if set(schedules) == {"interleaved"} and args.world < 2:
+        parser.error(
+            f"argument --schedules: interleaved needs at least 2 stages, so --world 2 or more "
+            f"(got --world {args.world}); add another schedule or pass --world 2"
+        )
+    if not args.chunk_options:
+        return None, schedules
+    options = count_list(parser, "--chunk-options", args.chunk_options)
+    odd = [c for c in options if args.batch % c]
+    if odd:
+        divisors = [c for c in range(1, args.batch + 1) if args.batch % c == 0]
+        parser.error(
+            f"argument --chunk-options: each chunk count must divide --batch, so that every "
+            f"micro-batch has the same rows (--batch {args.batch}; not dividing: "
+            f"{', '.join(map(str, odd))}); pass divisors of {args.batch}, e.g. "
+            f"{','.join(map(str, divisors[:8]))}"
+        )
+    return options, schedules
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,8 +242,12 @@ def main(argv: list[str] | None = None) -> int:
         "--chunk-options", default="", help="chunk counts plan may choose (default: all)"
     )
     parser.add_argument("--schedule", default="gpipe", help=argparse.SUPPRESS)
+    parser.add_argument("--virtual-stages", type=count, default=1, help=argparse.SUPPRESS)
     parser.add_argument(
-        "--schedules", default="gpipe,1f1b,zero_bubble", help="schedules plan may choose"
+        "--schedules",
+        default="gpipe,1f1b,zero_bubble",
+        help="schedules plan may choose, from gpipe, 1f1b, interleaved, zero_bubble and 2bw "
+        "(2bw: its steady-state step, timed over --steps steps in a row)",
     )
     parser.add_argument("--balance", default="2,2,2,2")
     parser.add_argument("--warmup", type=steps, default=2, help="untimed steps per run")
@@ -197,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         return _worker(args)
     if args.ping:
         return _ping(args)
+    options, schedules = _checked(parser, args)
 
     from asyncpipe import balance
 
@@ -208,17 +279,12 @@ def main(argv: list[str] | None = None) -> int:
     logs = Path(args.logs or tempfile.mkdtemp(prefix="plan-check-"))
     link = _link(args, logs) if args.measure_link else balance.Link()
     print(f"link: {link}")
-    options = (
-        count_list(parser, "--chunk-options", args.chunk_options) if args.chunk_options else None
-    )
-    ranking = balance.plan(
-        profile,
-        args.world,
-        args.batch,
-        chunks=options,
-        schedules=tuple(s for s in args.schedules.split(",") if s),
-        link=link,
-    )
+    try:
+        ranking = balance.plan(
+            profile, args.world, args.batch, chunks=options, schedules=schedules, link=link
+        )
+    except ValueError as exc:  # no configuration could be built: say why, no traceback
+        parser.error(f"nothing to run: {exc}")
     head = (
         f"Reference workload: 8 layers, F = {args.f_ms:g} ms, {args.shape} shape, a batch of "
         f"{args.batch} rows on up to {args.world} processes; measured: the slowest rank's step, "

@@ -105,9 +105,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--loss-log", type=Path, default=None, help="write 'step loss' lines of every mini-batch"
     )
     args = parser.parse_args(argv)
-    for name in ("steps", "chunks", "batch_size", "seq_len", "dim", "depth", "heads"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    at_least = dict.fromkeys(("steps", "chunks", "batch_size", "seq_len", "dim"), 1)
+    at_least |= dict.fromkeys(("depth", "heads", "trace_every"), 1)
+    at_least |= dict.fromkeys(("threads", "log_every", "sample_chars"), 0)  # 0: see the help
+    for name, least in at_least.items():
+        if getattr(args, name) < least:
+            option = "--" + name.replace("_", "-")
+            parser.error(f"{option} must be at least {least} (got {getattr(args, name)})")
     if args.dim % args.heads:
         parser.error(f"--dim ({args.dim}) must be divisible by --heads ({args.heads})")
     return args

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import re
 import shutil
 import subprocess
@@ -101,6 +102,19 @@ def test_write_section_replaces_only_its_own_section(tmp_path: Path) -> None:
     rst = tmp_path / "page.rst"
     write_section(rst, "failures", "- a line", "Title")
     assert rst.read_text().startswith("Title\n=====\n") and ".. end: failures" in rst.read_text()
+
+
+def test_list_shows_only_the_selected_parts(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--list --only gpipe`` listed every part."""
+    from benchmarks.__main__ import main
+
+    assert (
+        main(["--list", "--only", "gpipe,failures", "--skip", "failures", "--device", "cpu"]) == 0
+    )
+    out = capsys.readouterr().out
+    listed = [line.split(":")[0] for line in out.splitlines() if not line.startswith(" ")]
+    assert listed == ["gpipe"], out
+    assert "python -m benchmarks.gpipe " in out and "benchmarks.failures" not in out
 
 
 def test_selection_quick_mode_and_where_it_writes(tmp_path: Path) -> None:
@@ -217,6 +231,50 @@ def test_plan_check_runs_the_warmup_it_was_given_and_reports_a_failed_job_in_its
     assert "FAILED: rank 0 exited with 1" in rows[1]
 
 
+def test_plan_check_runs_interleaved_on_its_virtual_stages_and_2bw_with_an_optimizer(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The worker ran interleaved without its virtual stages (balance has two entries per
+    rank) and 2BW without the optimizer it needs: every row of either said FAILED."""
+    from benchmarks import plan_check
+    from benchmarks.launch import LaunchResult
+
+    workers: list[tuple[argparse.Namespace, int]] = []
+
+    def launch(module: str, argv: list[str], world: int, *rest: object) -> LaunchResult:
+        assert plan_check.main(argv) == 0  # the worker's command line, as the worker reads it
+        args = workers[-1][0]
+        workers[-1] = (args, world)
+        Path(args.out).write_text("[0.05]")
+        return LaunchResult([0] * world, False, 0.1, [])
+
+    monkeypatch.setattr(plan_check, "launch", launch)
+    monkeypatch.setattr(plan_check, "_worker", lambda args: workers.append((args, 0)) or 0)
+    argv = ["--world", "2", "--batch", "4", "--chunk-options", "2"]
+    argv += ["--schedules", "interleaved,2bw", "--steps", "2", "--warmup", "0", "--repeat", "1"]
+    assert plan_check.main([*argv, "--f-ms", "0.1"]) == 0
+    assert "FAILED" not in capsys.readouterr().out
+    runs = {(a.schedule, a.virtual_stages, len(a.balance.split(",")), w) for a, w in workers}
+    assert ("interleaved", 2, 4, 2) in runs and ("2bw", 1, 2, 2) in runs, runs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["interleaved", "2bw"])
+def test_plan_check_worker_runs_interleaved_and_2bw(schedule: str, tmp_path: Path) -> None:
+    """A real two-rank job of the worker, a few milliseconds of compute per step."""
+    from benchmarks.launch import launch
+
+    out = tmp_path / "seconds.json"
+    balance = "2,2,2,2" if schedule == "interleaved" else "4,4"
+    argv = ["--worker", "--f-ms", "0", "--batch", "4", "--chunks", "2", "--schedule", schedule]
+    argv += ["--virtual-stages", "2" if schedule == "interleaved" else "1", "--warmup", "1"]
+    argv += ["--steps", "2", "--balance", balance, "--out", str(out)]
+    result = launch("benchmarks.plan_check", argv, 2, 120.0, tmp_path / "logs")
+    assert result.ok, result.failure()
+    seconds = json.loads(out.read_text())
+    assert seconds and all(s > 0 for s in seconds)
+
+
 REFUSED = [
     ("benchmarks.gpipe", ["--chunks", "0"]),
     ("benchmarks.gpipe", ["--chunks", ","]),
@@ -247,6 +305,11 @@ REFUSED = [
     ("benchmarks.trace_example", ["--processes", "0"]),
     ("benchmarks.plan_check", ["--chunk-options", "2,x"]),
     ("benchmarks.plan_check", ["--batch", "0"]),
+    ("benchmarks.plan_check", ["--schedules", "1F1B"]),  # plan's names are lower case
+    ("benchmarks.plan_check", ["--schedules", "gpipe,nope"]),
+    ("benchmarks.plan_check", ["--schedules", ","]),
+    ("benchmarks.plan_check", ["--chunk-options", "2", "--batch", "5"]),  # 2 does not divide 5
+    ("benchmarks.plan_check", ["--schedules", "interleaved", "--world", "1"]),
     ("benchmarks.suite", ["--stages", "0"]),
     ("benchmarks.suite", ["--steps", "0"]),
     ("benchmarks.gpt", ["--chunks", "0"]),

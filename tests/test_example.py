@@ -90,3 +90,30 @@ def test_progress_bar_redraws_one_line_on_a_terminal(
     quiet = Progress(10, enabled=False)
     quiet.update(1, 1.0, 0.1)
     assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--trace-every", "0"],
+        ["--threads", "-1"],
+        ["--log-every", "-2"],
+        ["--sample-chars", "-1"],
+        ["--steps", "0"],
+    ],
+    ids=" ".join,
+)
+def test_train_lm_refuses_nonsense_numbers_when_it_reads_its_command_line(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--trace-every 0`` and ``--threads -1`` ran into a traceback instead."""
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    from train_lm import parse_args
+
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(argv)
+    assert exit_.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "error: " + argv[0] + " must be at least" in error, error
+    for fine in (["--threads", "0"], ["--log-every", "0"], ["--sample-chars", "0"]):
+        parse_args(fine)  # 0 means: the CPUs per process, a tenth of --steps, no sample
