@@ -252,6 +252,7 @@ class GradientAverager:
 
 _NAMES = ("p2p", "shm", "rpc")
 _REFUSED = -1  # the code of a rank that rejected its own arguments
+AUTO = -2  # the code of a rank in the first collective of balance="auto" (it meets this one)
 
 
 def timed_wait(work: dist.Work | None, seconds: float, what: str) -> None:
@@ -295,6 +296,11 @@ def same_transport(name: str | None, timeout: float, replicas: int = 1) -> None:
         return
     if refused:
         raise refusal("AsyncPipe cannot be built", refused, dist.get_rank())
+    auto = [rank for rank, c in enumerate(codes) if c == AUTO]
+    if auto:  # they wait for an answer to balance='auto' that this rank would never give
+        from .balance.auto import mixed_balance
+
+        raise ValueError(mixed_balance(auto, [r for r in range(len(codes)) if r not in auto]))
     names = [_NAMES[c % kinds] for c in codes]
     if len(set(names)) > 1:
         listed = ", ".join(f"rank {rank}: {n!r}" for rank, n in enumerate(names))

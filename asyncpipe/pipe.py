@@ -58,7 +58,8 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
             on the rank that owns it). A layer object listed twice is owned by the stage of its
             first position and runs there at every position (shared weights).
         balance: layers per stage, counting positions in ``module`` (a reused layer counts at
-            each position); one entry per pipeline rank. ``"auto"``: rank 0 finds it with
+            each position); one entry per pipeline rank. ``"auto"``: the pipeline's first
+            rank (rank 0 for a transport given by name) finds it with
             :func:`asyncpipe.balance.by_time` on ``sample`` and every rank takes its answer.
         chunks: micro-batches per mini-batch, split with ``torch.chunk`` (fewer when the
             batch's rows are not a multiple of ``chunks``: 6 rows at ``chunks=4`` give 3).

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from .blocks import blocks
 from .plan import Candidate, Link, Ranking, plan
-from .profile import LayerProfile, Profile, profile
+from .profile import LayerProfile, Profile, profile, sample_rows
 
 __all__ = [
     "Candidate",
@@ -46,7 +46,9 @@ def by_time(
     """A balance that minimises the slowest stage's forward plus backward time on ``sample``.
 
     ``sample`` should be one micro-batch. Each layer runs ``repeat`` timed times (after a
-    warm-up) and its median time counts; the model is left unchanged.
+    warm-up) and its median time counts; the model is left unchanged. A layer object listed at
+    several positions runs on the stage of its first position at every one (see
+    :mod:`asyncpipe.partition`), so its time counts there, and every stage owns a layer.
 
     Example:
         >>> import torch
@@ -55,8 +57,9 @@ def by_time(
         >>> len(balance.by_time(model, torch.randn(4, 8), 2))
         2
     """
-    measured = profile(module, sample, rows=[_rows(sample)], repeat=repeat)
-    return blocks([m[0].forward + m[0].backward for m in measured.layers], stages)
+    layers = list(module)
+    measured = profile(layers, sample, rows=[sample_rows(sample)], repeat=repeat)
+    return blocks([m[0].forward + m[0].backward for m in measured.layers], stages, layers=layers)
 
 
 def by_size(
@@ -65,7 +68,9 @@ def by_size(
     stages: int,
 ) -> list[int]:
     """A balance that minimises the largest stage's memory: parameter bytes plus the bytes its
-    forward keeps for the backward on ``sample`` (one micro-batch).
+    forward keeps for the backward on ``sample`` (one micro-batch). A layer object listed at
+    several positions lives on the stage of its first position: its parameters count once,
+    there, and so do the activations of every position.
 
     Example:
         >>> import torch
@@ -74,10 +79,11 @@ def by_size(
         >>> balance.by_size(model, torch.randn(4, 8), 2)
         [1, 1]
     """
-    measured = profile(module, sample, rows=[_rows(sample)], repeat=1)
-    return blocks([m[0].params + m[0].activations for m in measured.layers], stages)
-
-
-def _rows(sample: Tensor | tuple[Tensor, ...]) -> int:
-    first = sample if isinstance(sample, Tensor) else sample[0]
-    return int(first.shape[0])
+    layers = list(module)
+    measured = profile(layers, sample, rows=[sample_rows(sample)], repeat=1)
+    seen: set[int] = set()
+    costs = []
+    for layer, m in zip(layers, measured.layers):
+        costs.append((0 if id(layer) in seen else m[0].params) + m[0].activations)
+        seen.add(id(layer))
+    return blocks(costs, stages, layers=layers)

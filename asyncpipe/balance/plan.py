@@ -54,7 +54,8 @@ class Candidate:
     """Fraction of all ranks' time without compute (for ``"2bw"``, within a steady step)."""
     memory: int
     """Predicted peak bytes on the busiest rank: parameters and their gradients, plus the
-    activations of the micro-batches it holds at once (optimizer state not counted). For
+    activations of the micro-batches it holds at once (optimizer state not counted; with
+    checkpointing, their inputs and one micro-batch's activations, see :func:`plan`). For
     ``"2bw"`` also the stashed weight version and the finished gradient kept beside the next
     mini-batch's, on the ranks that hold them."""
     fits: bool = True
@@ -103,11 +104,16 @@ class Ranking:
 
 def _stage_costs(
     layers: list[LayerProfile], balance: Sequence[int], checkpoint: bool, split: bool
-) -> tuple[list[float], list[float], list[float], list[int], list[int], list[int]]:
-    forward, backward, weight, params, acts, out = [], [], [], [], [], []
+) -> tuple[list[float], list[float], list[float], list[int], list[int], list[int], list[int]]:
+    """Per stage: forward, backward and weight seconds, parameter bytes, the bytes one
+    micro-batch's forward keeps for the backward, the bytes of its input (the stage before's
+    output; 0 for the first stage, whose inputs are views of the caller's batch) and of its
+    output."""
+    forward, backward, weight, params, acts, inputs, out = [], [], [], [], [], [], []
     start = 0
     for size in balance:
         mine = layers[start : start + size]
+        inputs.append(layers[start - 1].output if start else 0)
         start += size
         f = sum(m.forward for m in mine)
         b = sum(m.backward for m in mine) + (f if checkpoint else 0.0)
@@ -115,9 +121,28 @@ def _stage_costs(
         backward.append(b / 2 if split else b)
         weight.append(b / 2 if split else 0.0)
         params.append(sum(m.params for m in mine))
-        acts.append(sum(m.output if checkpoint else m.activations for m in mine))
+        acts.append(sum(m.activations for m in mine))
         out.append(mine[-1].output)
-    return forward, backward, weight, params, acts, out
+    return forward, backward, weight, params, acts, inputs, out
+
+
+def _activation_bytes(
+    held: float, acts: Sequence[int], inputs: Sequence[int], checkpoint: str, chunks: int
+) -> int:
+    """The activation bytes of one rank whose model chunks keep ``acts`` (and get ``inputs``)
+    per micro-batch, holding ``held`` micro-batches in each chunk at once.
+
+    Without checkpointing each held micro-batch keeps its activations. A checkpointed forward
+    keeps only its input, and its backward recomputes the forward of one micro-batch at a time:
+    the inputs of the held micro-batches plus one micro-batch's activations. With
+    ``"except_last"`` the last micro-batch keeps its activations whole, beside a recompute (more
+    than one micro-batch)."""
+    if checkpoint == "never":
+        return round(held * sum(acts))
+    kept = round(held * sum(inputs)) + max(acts, default=0)
+    if checkpoint == "except_last" and chunks > 1:
+        kept += max(acts, default=0)
+    return kept
 
 
 def _evaluate(
@@ -125,7 +150,7 @@ def _evaluate(
     stages: int,
     chunks: int,
     schedule: str,
-    checkpoint: bool,
+    checkpoint: str,
     link: Link,
     lookahead: int,
 ) -> Candidate | str:
@@ -140,7 +165,7 @@ def _evaluate(
         )
     balance = blocks([m.forward + m.backward for m in layers], entries)
     split = schedule == "zero_bubble"
-    f, b, w, params, acts, out = _stage_costs(layers, balance, checkpoint, split)
+    f, b, w, params, acts, inputs, out = _stage_costs(layers, balance, checkpoint != "never", split)
     costs = Costs(
         forward=dict(enumerate(f)),
         backward=dict(enumerate(b)),
@@ -165,7 +190,12 @@ def _evaluate(
         if schedule == "2bw":
             owed = lookahead * (stages - rank - 1)  # backwards a window leaves to the next
             copies += (owed > 0) + (0 < owed < chunks)  # the stash; the finished gradient
-        memory.append(sum(copies * params[s] + round(share * acts[s]) for s in mine))
+        memory.append(
+            sum(copies * params[s] for s in mine)
+            + _activation_bytes(
+                share, [acts[s] for s in mine], [inputs[s] for s in mine], checkpoint, chunks
+            )
+        )
     return Candidate(
         stages, chunks, schedule, virtual, tuple(balance), seconds, bubble, max(memory),
         lookahead=lookahead if schedule == "2bw" else 1,
@@ -364,8 +394,11 @@ def plan(
         chunks: the chunk counts to try, each a divisor of ``batch_size``.
         schedules: names from ``gpipe``, ``1f1b``, ``interleaved``, ``zero_bubble``, ``2bw``.
         checkpoint: the AsyncPipe policy to predict: ``"never"`` keeps activations,
-            ``"always"`` / ``"except_last"`` recompute the forward in backward (counted for
-            every micro-batch).
+            ``"always"`` / ``"except_last"`` recompute the forward in backward (its time
+            counted for every micro-batch). A checkpointed micro-batch keeps only its stage's
+            input (nothing extra on the first stage, whose inputs are views of the batch), and
+            a rank holds one micro-batch's activations at a time while it recomputes;
+            ``"except_last"`` keeps the last micro-batch's activations beside that.
         lookahead: for ``"2bw"``: the lookahead to predict (see
             :func:`~asyncpipe.schedule.two_bw`; ``lookahead=k`` needs ``chunks >= k * (stages
             - 1)``, fewer chunks are left out).
@@ -406,7 +439,7 @@ def plan(
                 continue
             for c in chunk_counts:
                 layers = profile.at(batch_size / c)
-                cand = _evaluate(layers, s, c, schedule, checkpoint != "never", link, lookahead)
+                cand = _evaluate(layers, s, c, schedule, checkpoint, link, lookahead)
                 if isinstance(cand, str):
                     why.append(cand)
                     continue
