@@ -12,16 +12,27 @@ one of the model's inputs) crosses the cut with the activation::
 
 Each segment takes and returns a tensor or a flat tuple of tensors, as AsyncPipe's layers do;
 its parameters are the model's own objects (no copies), under their names in the model.
+
+What tracing alone would lose is kept: code that reads ``self.training`` is traced in both
+modes (a segment whose code differs holds one graph per mode and runs the one of its own
+mode), operations run under ``torch.no_grad()`` in ``forward`` run without gradients in the
+segments too, and a use of a cut point's argument after the cut uses the cut point's value
+(the same object, so it crosses once and an in-place change after the cut is seen by both).
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import dataclasses
+import inspect
 import linecache
+import operator
 import os
 import re
 import traceback
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
@@ -29,9 +40,14 @@ from torch import Tensor, nn
 
 from .recompute import forked_rng
 
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
 __all__ = ["CutPoint", "CutSegment", "sequentialize"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
+_NO_GRAD = "asyncpipe_no_grad"
+"""``node.meta`` key: the tracer made this node while gradients were off in ``forward``."""
 
 
 class CutPoint(nn.Module):
@@ -68,6 +84,12 @@ class _Tracer(fx.Tracer):
             return True
         return super().is_leaf_module(m, module_qualified_name)
 
+    def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
+        node = super().create_node(*args, **kwargs)
+        if not torch.is_grad_enabled():  # inside `with torch.no_grad():`, which fx drops
+            node.meta[_NO_GRAD] = True
+        return node
+
 
 def _user_line(tb: Any) -> str:
     """``file:line: code`` of the innermost frame of ``tb`` outside torch (or '')."""
@@ -85,7 +107,7 @@ def _node_line(node: fx.Node) -> str:
     found = ""
     for n, line in enumerate(trace):
         match = re.match(r'\s*File "(.*)", line (\d+)', line)
-        if match and not match.group(1).startswith(_TORCH_DIR):
+        if match and not match.group(1).startswith(_TORCH_DIR) and match.group(1) != __file__:
             code = trace[n + 1].strip() if n + 1 < len(trace) else ""
             found = f"{match.group(1)}:{match.group(2)}: {code}"
     return found
@@ -102,8 +124,21 @@ def _arity(value: object) -> int | None:
 
 def _describe(value: object) -> str:
     if isinstance(value, (tuple, list)):
-        return f"{type(value).__name__} of ({', '.join(type(v).__name__ for v in value)})"
-    return type(value).__name__
+        kind = "tuple" if isinstance(value, tuple) else "list"
+        return f"{kind} of ({', '.join(type(v).__name__ for v in value)})"
+    return "dict" if isinstance(value, dict) else type(value).__name__
+
+
+@dataclasses.dataclass(frozen=True)
+class _Code:
+    """A segment's code in one mode (training or eval): its graph and what crosses."""
+
+    graph: fx.Graph
+    in_spec: tuple[int | None, ...]
+    out_spec: tuple[int | None, ...]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    single_output: bool
 
 
 class CutSegment(nn.Module):
@@ -112,40 +147,71 @@ class CutSegment(nn.Module):
     It takes the values that cross its first cut and returns those that cross its last (a
     tensor, or a flat tuple of tensors); a value that is a tuple of tensors travels flattened.
     ``module`` is the ``torch.fx.GraphModule`` that computes it; ``inputs`` and ``outputs`` name
-    the values that cross in and out.
+    the values that cross in and out. Where the model's code reads ``self.training`` (say
+    ``F.dropout(h, p, self.training)``) and the segment's code differs between the modes, the
+    segment holds one graph per mode, and ``module`` runs the one of the segment's own mode
+    (``train()`` / ``eval()``, as ``pipe.train()`` and ``pipe.eval()`` set it).
     """
 
     def __init__(
-        self,
-        module: fx.GraphModule,
-        in_spec: Sequence[int | None],
-        out_spec: Sequence[int | None],
-        inputs: Sequence[str],
-        outputs: Sequence[str],
-        single_output: bool,
+        self, module: fx.GraphModule, training: _Code, evaluation: _Code | None = None
     ) -> None:
         super().__init__()
         self.module = module
-        self.in_spec = tuple(in_spec)
-        self.out_spec = tuple(out_spec)
-        self.inputs = tuple(inputs)
-        self.outputs = tuple(outputs)
-        self.single_output = single_output
+        self._codes = {True: training, False: training if evaluation is None else evaluation}
+
+    def _select(self, training: bool) -> _Code:
+        code = self._codes[training]
+        if self.module.graph is not code.graph:
+            self.module.graph = code.graph  # recompiles the module's forward
+        return code
+
+    def train(self, mode: bool = True) -> Self:
+        """Set the mode, as ``nn.Module.train`` does, and pick the mode's graph."""
+        super().train(mode)
+        self._select(mode)
+        return self
+
+    @property
+    def in_spec(self) -> tuple[int | None, ...]:
+        """Per input value: None for a tensor, n for a tuple of n tensors."""
+        return self._codes[self.training].in_spec
+
+    @property
+    def out_spec(self) -> tuple[int | None, ...]:
+        """Per output value: None for a tensor, n for a tuple of n tensors."""
+        return self._codes[self.training].out_spec
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        """The names of the values that cross into this segment."""
+        return self._codes[self.training].inputs
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        """The names of the values that cross out of it (``output`` for the model's)."""
+        return self._codes[self.training].outputs
+
+    @property
+    def single_output(self) -> bool:
+        """Whether this is the last segment: it returns the model's output as it is."""
+        return self._codes[self.training].single_output
 
     def forward(self, value: Any) -> Any:
+        code = self._select(self.training)
         flat = [value] if isinstance(value, Tensor) else list(value)
         args: list[Any] = []
-        for arity in self.in_spec:
+        for arity in code.in_spec:
             if arity is None:
                 args.append(flat.pop(0))
             else:
                 args.append(tuple(flat[:arity]))
                 del flat[:arity]
         result = self.module(*args)
-        if self.single_output:
+        if code.single_output:
             return result
         out: list[Tensor] = []
-        for arity, item in zip(self.out_spec, result):
+        for arity, item in zip(code.out_spec, result):
             out.extend([item] if arity is None else item)
         return out[0] if len(out) == 1 else tuple(out)
 
@@ -154,13 +220,87 @@ class CutSegment(nn.Module):
         return list(self.module.named_parameters(remove_duplicate=False))
 
     def extra_repr(self) -> str:
-        return f"inputs={list(self.inputs)}, outputs={list(self.outputs)}"
+        per_mode = ", one graph per mode" if self._codes[True] is not self._codes[False] else ""
+        return f"inputs={list(self.inputs)}, outputs={list(self.outputs)}{per_mode}"
 
 
-def _trace(model: nn.Module, leaves: tuple[type[nn.Module], ...]) -> fx.GraphModule:
+# ----- tracing -----------------------------------------------------------------------------
+
+
+def _fixed_arguments(
+    model: nn.Module, given: tuple[Any, ...]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The example's arguments without its trailing ``None``s, and ``concrete_args`` for
+    tracing: ``None`` for a trailing argument given as ``None``, the default for a trailing
+    parameter not given (up to the first one without a default)."""
+    args = list(given)
+    while args and args[-1] is None:
+        args.pop()
+    if any(a is None for a in args):
+        raise TypeError(
+            "example_input holds None before a tensor; only trailing arguments of forward may "
+            "be None or left out (they are fixed while tracing, and the pipeline's input holds "
+            "the arguments before them)"
+        )
+    try:
+        parameters = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return tuple(args), {}
+    concrete: dict[str, Any] = {}
+    for n, p in enumerate(parameters):
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            break
+        if n < len(args):
+            continue
+        if n < len(given):
+            concrete[p.name] = None
+        elif p.default is not p.empty:
+            concrete[p.name] = p.default
+        else:
+            break
+    return tuple(args), concrete
+
+
+@contextlib.contextmanager
+def _mode(root: nn.Module, training: bool) -> Iterator[None]:
+    """Every module of ``root`` in ``training`` mode for a while (flags restored after)."""
+    flags = [(m, m.training) for m in root.modules()]
+    for m, _ in flags:
+        m.training = training
+    try:
+        yield
+    finally:
+        for m, flag in flags:
+            m.training = flag
+
+
+def _is_cut(root: nn.Module, node: fx.Node) -> bool:
+    return node.op == "call_module" and isinstance(root.get_submodule(str(node.target)), CutPoint)
+
+
+def _call_without_grad(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    with torch.no_grad():
+        return fn(*args, **kwargs)
+
+
+def _call_method_without_grad(name: str, obj: Any, *args: Any, **kwargs: Any) -> Any:
+    with torch.no_grad():
+        return getattr(obj, name)(*args, **kwargs)
+
+
+def _trace(
+    root: nn.Module,
+    leaves: tuple[type[nn.Module], ...],
+    concrete: dict[str, Any],
+    given: int,
+    functions: dict[Callable[..., Any], str],
+) -> fx.Graph:
+    """``root``'s forward as a graph: fixed arguments taken out, no-grad code kept without
+    gradients, and uses of a cut point's argument after it turned into uses of the cut."""
     tracer = _Tracer(leaves)
     try:
-        graph = tracer.trace(model)
+        with torch.enable_grad():
+            graph = tracer.trace(root, concrete_args=concrete or None)
     except Exception as e:
         where = _user_line(e.__traceback__)
         raise TypeError(
@@ -172,11 +312,131 @@ def _trace(model: nn.Module, leaves: tuple[type[nn.Module], ...]) -> fx.GraphMod
             "into a module and pass its type in leaves=(...), or write it with tensor "
             "operations (e.g. slice a precomputed buffer)"
         ) from e
-    return fx.GraphModule(model, graph, type(model).__name__)
+    # The fixed arguments' placeholders and the checks fx adds on them go.
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    dead = set(placeholders[given : given + len(concrete)])
+    for node in graph.nodes:
+        if any(n in dead for n in node.all_input_nodes):
+            dead.add(node)
+    for node in reversed(list(graph.nodes)):
+        if node in dead:
+            graph.erase_node(node)
+    # fx records no grad mode: what forward ran without gradients runs under no_grad again,
+    # called by _call_without_grad (a function as an attribute of the root: it pickles).
+    for node in list(graph.nodes):
+        if not node.meta.get(_NO_GRAD) or _is_cut(root, node):
+            continue
+        if node.op == "call_method":
+            node.args = (node.target, *node.args)
+            node.op, node.target = "call_function", _call_method_without_grad
+        elif node.op in ("call_function", "call_module"):
+            target = node.target
+            if node.op == "call_function":
+                target = functions.setdefault(node.target, f"_no_grad_fn{len(functions)}")
+                setattr(root, target, node.target)
+            with graph.inserting_before(node):
+                fn = graph.get_attr(str(target))
+            node.args = (fn, *node.args)
+            node.op, node.target = "call_function", _call_without_grad
+    # A cut point returns its argument: later uses of the argument use the cut's value.
+    for cut in [n for n in graph.nodes if _is_cut(root, n)]:
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        value = cut.args[0] if cut.args else None
+        items: list[tuple[fx.Node, int | None]] = []
+        if isinstance(value, fx.Node):
+            items = [(value, None)]
+        elif isinstance(value, (tuple, list)):
+            items = [(v, i) for i, v in enumerate(value) if isinstance(v, fx.Node)]
+        for node, index in items:
+            later = [u for u in node.users if order.get(u, -1) > order[cut]]
+            if not later:
+                continue
+            new = cut
+            if index is not None:
+                with graph.inserting_after(cut):
+                    new = graph.call_function(operator.getitem, (cut, index))
+            for user in later:
+                user.replace_input_with(node, new)
+    return graph
 
 
-def _values(gm: fx.GraphModule, args: tuple[Any, ...]) -> dict[fx.Node, Any]:
-    """Every node's value when ``gm`` runs on ``args`` (gradients off; RNG, buffers kept)."""
+@contextlib.contextmanager
+def _buffers_kept(model: nn.Module) -> Iterator[None]:
+    """Restore ``model``'s buffers after tracing; raise if tracing changed one.
+
+    fx does not trace reads of buffers: an in-place change of a buffer by constants (say
+    ``self.steps.add_(1)``) runs once while tracing and is missing from the graph."""
+    buffers = [(name, b) for name, b in model.named_buffers() if not b.is_meta]
+    saved = [(name, b, b.detach().clone()) for name, b in buffers]
+    try:
+        yield
+    finally:
+        changed = []
+        with torch.no_grad():
+            for name, b, value in saved:
+                same = b.shape == value.shape and bool(
+                    ((b == value) | (b != b) & (value != value)).all()
+                )
+                if not same:
+                    changed.append(name)
+                    b.copy_(value)
+    if changed:
+        raise TypeError(
+            f"forward changes buffers {changed} in place with constant arguments (say "
+            f"self.steps.add_(1)); torch.fx runs such code once while tracing instead of "
+            f"recording it, so the segments would skip it: do the update in a module passed in "
+            f"leaves=(...), or outside forward"
+        )
+
+
+def _resolve(root: nn.Module, target: str) -> Any:
+    value: Any = root
+    for atom in target.split("."):
+        value = getattr(value, atom)
+    return value
+
+
+def _same(a: nn.Module, graph_a: fx.Graph, b: nn.Module, graph_b: fx.Graph) -> bool:
+    """Whether two traces are the same code on the same objects (or equal constants)."""
+    if graph_a.python_code("self").src != graph_b.python_code("self").src:
+        return False
+    for node in graph_a.nodes:
+        if node.op == "get_attr":
+            x, y = _resolve(a, str(node.target)), _resolve(b, str(node.target))
+            if x is y:
+                continue
+            if not (
+                isinstance(x, Tensor)
+                and isinstance(y, Tensor)
+                and (x.dtype, x.shape, x.device) == (y.dtype, y.shape, y.device)
+                and torch.equal(x, y)
+            ):
+                return False
+    return True
+
+
+def _move_constants(model: nn.Module, source: nn.Module, graph: fx.Graph, root: nn.Module) -> None:
+    """Give the attributes tracing put on ``source`` (constants, functions) to ``root``."""
+    made = set(vars(source)) - set(vars(model))
+    names: dict[str, str] = {}
+    for node in graph.nodes:
+        if node.op == "get_attr" and node.target in made:
+            target = str(node.target)
+            value = getattr(source, target)
+            if target not in names and getattr(root, target, None) is value:
+                names[target] = target
+            elif target not in names:
+                prefix, n = target.rstrip("0123456789"), 0
+                while hasattr(root, f"{prefix}{n}"):
+                    n += 1
+                names[target] = f"{prefix}{n}"
+                setattr(root, names[target], value)
+            node.target = names[target]
+
+
+def _values(root: nn.Module, graph: fx.Graph, args: tuple[Any, ...]) -> dict[fx.Node, Any]:
+    """Every node's value when ``graph`` runs on ``args`` (gradients off; RNG, buffers kept)."""
+    gm = fx.GraphModule(root, graph)
     seen: dict[fx.Node, Any] = {}
 
     class Recorder(fx.Interpreter):
@@ -195,70 +455,40 @@ def _values(gm: fx.GraphModule, args: tuple[Any, ...]) -> dict[fx.Node, Any]:
     return seen
 
 
-def sequentialize(
-    model: nn.Module,
-    example_input: Tensor | tuple[Tensor, ...],
-    *,
-    leaves: Sequence[type[nn.Module]] = (),
-) -> nn.Sequential:
-    """Split ``model`` at its :class:`CutPoint` calls into an ``nn.Sequential`` of segments.
+@dataclasses.dataclass
+class _Plan:
+    """One traced graph, split: each node's segment and what crosses into each segment."""
 
-    ``example_input`` is the model's positional argument (a tensor) or arguments (a tuple of
-    tensors); the traced model runs once on it to learn what crosses each cut (gradients off,
-    RNG state and buffers restored). Segment ``k`` runs the code between cut ``k - 1`` and cut
-    ``k`` in call order; ``AsyncPipe(sequentialize(model, x), balance=...)`` then counts
-    segments. The model is not changed and the segments hold its own parameters and buffers.
+    nodes: list[fx.Node]
+    cuts: list[str]
+    segment: dict[fx.Node, int]
+    crossing: list[list[fx.Node]]
+    values: dict[fx.Node, Any]
+    output: fx.Node
 
-    Args:
-        model: any module whose ``forward`` calls each of its cut points once.
-        example_input: a sample of the input, as the pipeline will get it.
-        leaves: module types to keep opaque while tracing (e.g. one with a data-dependent
-            branch inside); a cut point inside such a module is not seen.
 
-    Raises:
-        TypeError: forward cannot be traced (with the user's line), or a value that is not a
-            tensor or a tuple of tensors crosses a cut.
-        ValueError: a cut point runs more than once or never.
-
-    Example:
-        >>> import torch
-        >>> from torch import nn
-        >>> class Net(nn.Module):
-        ...     def __init__(self):
-        ...         super().__init__()
-        ...         self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
-        ...         self.cut = CutPoint()
-        ...     def forward(self, x):
-        ...         h = self.cut(self.a(x))
-        ...         return self.b(h) + x            # x crosses the cut with h
-        >>> net, x = Net(), torch.randn(3, 4)
-        >>> seq = sequentialize(net, x)
-        >>> [list(s.inputs) for s in seq]
-        [['x'], ['x', 'cut']]
-        >>> torch.allclose(seq(x), net(x))
-        True
-    """
-    gm = _trace(model, tuple(leaves))
-    args = example_input if isinstance(example_input, tuple) else (example_input,)
-    nodes = list(gm.graph.nodes)
-    names = {m: n for n, m in model.named_modules() if isinstance(m, CutPoint)}
+def _plan(
+    root: nn.Module, graph: fx.Graph, args: tuple[Any, ...], cut_names: Iterable[str], mode: str
+) -> _Plan:
+    nodes = list(graph.nodes)
     calls: dict[str, list[fx.Node]] = {}
     for node in nodes:
-        if node.op == "call_module" and isinstance(gm.get_submodule(str(node.target)), CutPoint):
+        if _is_cut(root, node):
             calls.setdefault(str(node.target), []).append(node)
     problems = []
     for target, used in calls.items():
         if len(used) > 1:
             lines = "; ".join(_node_line(n) or n.name for n in used)
             problems.append(
-                f"cut point {target!r} runs {len(used)} times in one forward ({lines}); create "
-                f"one CutPoint per place (e.g. an nn.ModuleList of them for a loop)"
+                f"cut point {target!r} runs {len(used)} times in one forward{mode} ({lines}); "
+                f"create one CutPoint per place (e.g. an nn.ModuleList of them for a loop)"
             )
-    never = sorted(name for name in names.values() if name not in calls)
+    never = sorted(name for name in cut_names if name not in calls)
     if never:
         problems.append(
-            f"cut points {never} never ran in forward; call each where a stage boundary may go, "
-            f"or delete it (a cut point inside a module passed in leaves=(...) is not seen)"
+            f"cut points {never} never ran in forward{mode}; call each where a stage boundary "
+            f"may go, or delete it (a cut point inside a module passed in leaves=(...) is not "
+            f"seen)"
         )
     if problems:
         raise ValueError("; ".join(problems))
@@ -267,9 +497,10 @@ def sequentialize(
         raise TypeError(
             f"example_input must hold one tensor per positional argument of forward "
             f"(forward takes {len(placeholders)}: {[n.name for n in placeholders]}, got "
-            f"{len(args)}); pass a tuple of tensors for several arguments"
+            f"{len(args)}); pass a tuple of tensors for several arguments (trailing arguments "
+            f"with a default may be left out, or given as None)"
         )
-    values = _values(gm, args)
+    values = _values(root, graph, args)
 
     # Segment of each node: cut points seen before it (a cut point ends its segment).
     segment: dict[fx.Node, int] = {}
@@ -303,32 +534,137 @@ def sequentialize(
                 )
     if bad:
         raise TypeError(
-            "only tensors or tuples of tensors may cross a cut point, but "
+            f"only tensors or tuples of tensors may cross a cut point{mode}, but "
             + "; ".join(bad)
             + "; compute such values after the cut, or turn them into tensors"
         )
-    result = values[output.args[0]] if output.args else None
     try:
-        _arity(result)
+        _arity(values[output])
     except TypeError:
         raise TypeError(
-            f"the model's output must be a tensor or a tuple of tensors to leave the pipeline "
-            f"(got {_describe(result)}); return a tensor, or a tuple of tensors"
+            f"the model's output must be a tensor or a tuple of tensors to leave the pipeline"
+            f"{mode} (got {_describe(values[output])}); return a tensor, or a tuple of tensors"
         ) from None
-    return nn.Sequential(
-        *[_build(gm, nodes, segment, crossing, values, k, segments) for k in range(segments)]
-    )
+    cuts = [str(n.target) for n in nodes if n.op == "call_module" and str(n.target) in calls]
+    return _Plan(nodes, cuts, segment, crossing, values, output)
 
 
-def _build(
-    gm: fx.GraphModule,
-    nodes: list[fx.Node],
-    segment: dict[fx.Node, int],
-    crossing: list[list[fx.Node]],
-    values: dict[fx.Node, Any],
-    k: int,
-    segments: int,
-) -> CutSegment:
+def sequentialize(
+    model: nn.Module,
+    example_input: Tensor | tuple[Tensor | None, ...],
+    *,
+    leaves: Sequence[type[nn.Module]] = (),
+) -> nn.Sequential:
+    """Split ``model`` at its :class:`CutPoint` calls into an ``nn.Sequential`` of segments.
+
+    ``example_input`` is the model's positional argument (a tensor) or arguments (a tuple of
+    tensors); the traced model runs once on it to learn what crosses each cut (gradients off,
+    RNG state and buffers restored). Trailing parameters of ``forward`` with a default may be
+    left out, or given as ``None``: they are fixed at that value while tracing (a branch on them
+    is taken once), and the pipeline's input holds the arguments before them. Segment ``k`` runs
+    the code between cut ``k - 1`` and cut ``k`` in call order; ``AsyncPipe(sequentialize(model,
+    x), balance=...)`` then counts segments. The model is not changed and the segments hold its
+    own parameters and buffers.
+
+    ``forward`` is traced in training and in eval mode; where the code differs (it reads
+    ``self.training``), a segment runs the code of its own mode. Operations run under
+    ``torch.no_grad()`` in ``forward`` run without gradients in the segments too.
+
+    Args:
+        model: any module whose ``forward`` calls each of its cut points once.
+        example_input: a sample of the input, as the pipeline will get it.
+        leaves: module types to keep opaque while tracing (e.g. one with a data-dependent
+            branch inside); a cut point inside such a module is not seen.
+
+    Raises:
+        TypeError: forward cannot be traced (with the user's line), a value that is not a
+            tensor or a tuple of tensors crosses a cut or is the output, or ``example_input``
+            does not fit forward's parameters.
+        ValueError: a cut point runs more than once or never, or the cut points run in a
+            different order in training and in eval mode.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> class Net(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        ...         self.cut = CutPoint()
+        ...     def forward(self, x):
+        ...         h = self.cut(self.a(x))
+        ...         return self.b(h) + x            # x crosses the cut with h
+        >>> net, x = Net(), torch.randn(3, 4)
+        >>> seq = sequentialize(net, x)
+        >>> [list(s.inputs) for s in seq]
+        [['x'], ['x', 'cut']]
+        >>> torch.allclose(seq(x), net(x))
+        True
+    """
+    given = example_input if isinstance(example_input, tuple) else (example_input,)
+    args, concrete = _fixed_arguments(model, given)
+    cut_names = [n for n, m in model.named_modules() if isinstance(m, CutPoint)]
+    functions: dict[Callable[..., Any], str] = {}
+    # Trace shallow copies: fx puts the tensor constants of forward on the traced root.
+    current = model.training
+    root, other_root = copy.copy(model), copy.copy(model)
+    with _buffers_kept(model):
+        graphs = {current: _trace(root, tuple(leaves), concrete, len(args), functions)}
+        with _mode(other_root, not current):
+            other = _trace(other_root, tuple(leaves), concrete, len(args), functions)
+    if not _same(root, graphs[current], other_root, other):
+        _move_constants(model, other_root, other, root)
+        graphs[not current] = other
+    plans: dict[bool, _Plan] = {}
+    for training, graph in graphs.items():
+        mode = "" if len(graphs) == 1 else f" (in {'training' if training else 'eval'} mode)"
+        with _mode(root, training) if training != current else contextlib.nullcontext():
+            plans[training] = _plan(root, graph, args, cut_names, mode)
+    if len(plans) == 2 and plans[True].cuts != plans[False].cuts:
+        raise ValueError(
+            f"forward runs its cut points in a different order in training mode "
+            f"({plans[True].cuts}) and in eval mode ({plans[False].cuts}); run the same cut "
+            f"points in the same order in both"
+        )
+    segments = [_segment(root, plans, k, current) for k in range(len(plans[current].cuts) + 1)]
+    seq = nn.Sequential(*segments)
+    seq.training = current
+    return seq
+
+
+def _segment(root: nn.Module, plans: dict[bool, _Plan], k: int, current: bool) -> CutSegment:
+    """Segment ``k``, in the mode the model is in (``current``); with its other mode's code
+    where the plans of the two modes differ."""
+    codes = {training: _build(plan, k) for training, plan in plans.items()}
+    two = len(codes) == 2 and _differ(codes[True], codes[False])
+    if two:  # each graph names all attributes: the module holds both modes' own
+        for code, other in ((codes[True], codes[False]), (codes[False], codes[True])):
+            have = {n.target for n in code.graph.nodes if n.op in ("get_attr", "call_module")}
+            output = next(n for n in code.graph.nodes if n.op == "output")
+            for node in other.graph.nodes:
+                if node.op in ("get_attr", "call_module") and node.target not in have:
+                    have.add(node.target)
+                    with code.graph.inserting_before(output):
+                        code.graph.get_attr(str(node.target))
+    module = fx.GraphModule(root, codes[current].graph, f"Segment{k}")
+    if two:
+        segment = CutSegment(module, codes[True], codes[False])
+    else:
+        segment = CutSegment(module, codes[current])
+    segment.training = module.training = current
+    return segment
+
+
+def _differ(a: _Code, b: _Code) -> bool:
+    """Whether two modes' codes of a segment differ (the same source reads the same root)."""
+    if dataclasses.replace(a, graph=b.graph) != b:
+        return True
+    return bool(a.graph.python_code("self").src != b.graph.python_code("self").src)
+
+
+def _build(plan: _Plan, k: int) -> _Code:
+    nodes, segment, crossing, values = plan.nodes, plan.segment, plan.crossing, plan.values
+    last = k == len(crossing) - 1
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for node in crossing[k]:
@@ -346,20 +682,16 @@ def _build(
         if node.op == "get_attr" and all(segment[u] != k for u in node.users):
             continue
         env[node] = graph.node_copy(node, lookup)
-    if k == segments - 1:
-        out = next(n for n in nodes if n.op == "output")
-        graph.output(fx.map_arg(out.args[0], lookup))
-        result = values[out.args[0]]  # type: ignore[index]
-        outputs = [out.name]
-        out_spec: list[int | None] = [_arity(result)]
-        single = True
+    if last:
+        graph.output(fx.map_arg(plan.output.args[0], lookup))
+        outputs = [plan.output.name]
+        out_spec: list[int | None] = [_arity(values[plan.output])]
     else:
         sent = crossing[k + 1]
         graph.output(tuple(lookup(n) for n in sent))
         outputs = [n.name for n in sent]
         out_spec = [_arity(values[n]) for n in sent]
-        single = False
     graph.lint()
-    module = fx.GraphModule(gm, graph, f"Segment{k}")
     in_spec = [_arity(values[n]) for n in crossing[k]]
-    return CutSegment(module, in_spec, out_spec, [n.name for n in crossing[k]], outputs, single)
+    inputs = [n.name for n in crossing[k]]
+    return _Code(graph, tuple(in_spec), tuple(out_spec), tuple(inputs), tuple(outputs), last)
