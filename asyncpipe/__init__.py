@@ -10,7 +10,7 @@ Example:
 from . import balance, checkpoint, partition, schedule, transport
 from .batchnorm import DeferredBatchNorm
 from .cut import CutPoint, sequentialize
-from .failure import StageFailure, StepReport
+from .failure import MismatchedBatch, StageFailure, StepReport
 from .group import init, shutdown
 from .lazy import LazyModule
 from .pipe import AsyncPipe
@@ -22,6 +22,7 @@ __all__ = [
     "CutPoint",
     "DeferredBatchNorm",
     "LazyModule",
+    "MismatchedBatch",
     "StageFailure",
     "StepReport",
     "balance",

@@ -98,7 +98,11 @@ def loss_hint(out: Tensors, target: Tensors | None) -> str | None:
 
 
 class MismatchedBatch(ValueError):
-    """Input and target had different batch sizes: found when a step ends, on every rank."""
+    """Input and target had different batch sizes: found when a step ends, on every rank.
+
+    The step ran, but its loss and gradients mean nothing: ``step(..., optimizer=...)``
+    zeroes the gradients it added (without an optimizer, zero them before the next step). The
+    pipeline stays usable, except under ``schedule="2bw"`` (see :doc:`/reliability`)."""
 
 
 class Failed(Exception):

@@ -82,8 +82,11 @@ def init(
     """
     global _SHUTDOWN_S
     _SHUTDOWN_S = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+    global _GROUPS
     if not dist.is_initialized():
         _init_group(backend, timeout)
+    else:  # the caller's own group: its keys are in torchrun's store too, so a group after it
+        _GROUPS = max(_GROUPS, 1)  # (init after shutdown) takes names of its own, as after ours
     pause_at_exit()
     if rpc:
         _init_rpc(timeout, worker_map)

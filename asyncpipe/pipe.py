@@ -545,6 +545,8 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
         Raises:
             StageFailure: on every rank, if any stage failed (it names the stage, micro-batch
                 and action).
+            MismatchedBatch: on every rank, if input and target had different batch sizes
+                (with ``optimizer``, the step's gradients are zeroed first).
 
         Example:
             >>> loss = pipe.step(x, y, torch.nn.functional.cross_entropy)  # doctest: +SKIP
@@ -560,7 +562,12 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
                 "step(), which runs a forward and backward of its own"
             )
         before = self._shared.snapshot()
-        work = self._run(self._prepare(input, target, loss_fn, train=True), averages=True)
+        try:
+            work = self._run(self._prepare(input, target, loss_fn, train=True), averages=True)
+        except MismatchedBatch:
+            if optimizer is not None:  # it zeroes the step's gradients: none of this one stays
+                optimizer.zero_grad()
+            raise
         if self._averager is not None:
             self._average()
         self._shared.reduce(before)
@@ -604,6 +611,7 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
                 "pass max_norm to step() instead, which clips that gradient by its norm over "
                 "every stage: pipe.step(x, y, loss_fn, optimizer=optimizer, max_norm=1.0)"
             )
+        self._guard()  # a failed pipeline's ranks may hold messages of the failed call
         if self.overflow:  # the same on every rank: the step dropped every stage's gradients
             return torch.tensor(float("nan"))  # as torch's norm of the unscaled inf gradients
         repeated = self._shared.repeated()  # copies of a shared weight count once

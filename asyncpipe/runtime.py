@@ -341,7 +341,8 @@ class Runtime(FailureBlame, Compute):
             raise MismatchedBatch(
                 f"input and target must have the same batch size (input: {min(inputs)} rows, "
                 f"target: {min(targets)} rows); the step ran but its loss and gradients mean "
-                f"nothing, so do not apply them: pass a target with one row per input row"
+                f"nothing, so do not apply them (zero the gradients, e.g. optimizer.zero_grad(), "
+                f"which step(..., optimizer=...) does): pass a target with one row per input row"
             )
 
     def exchange(self, values: Sequence[float]) -> list[list[float]]:

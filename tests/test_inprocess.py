@@ -490,7 +490,9 @@ def test_a_rank_posts_its_steps_receives_after_its_first_compute_not_before() ->
     assert posted == {0: 4, 1: 8, 2: 4}
 
 
-def test_a_failed_pipeline_refuses_further_steps() -> None:
+def test_a_failed_pipeline_refuses_further_steps(tmp_path: Any) -> None:
+    """clip_grad_norm_ returned 0 and checkpoint.save/load ran on a failed pipeline (after a
+    timeout, save failed later with the transport's raw error)."""
     model = nn.Sequential(nn.Linear(8, 8), Boom("forward", 0))
 
     def fn(rank: int, transport: Transport) -> str:
@@ -499,9 +501,38 @@ def test_a_failed_pipeline_refuses_further_steps() -> None:
             pipe.step(torch.randn(2, 8), torch.randn(2, 8), mse)
         with pytest.raises(RuntimeError, match="failed in an earlier call"):
             pipe.step(torch.randn(2, 8), torch.randn(2, 8), mse)
+        with pytest.raises(RuntimeError, match="failed in an earlier call"):
+            pipe.clip_grad_norm_(1.0)
+        with pytest.raises(RuntimeError, match="failed in an earlier call"):
+            asyncpipe.checkpoint.save(pipe, None, tmp_path, step=1)
+        with pytest.raises(RuntimeError, match="failed in an earlier call"):
+            asyncpipe.checkpoint.load(pipe, None, tmp_path)
         return "ok"
 
     assert values(run_threads(fn, 2)) == ["ok", "ok"]
+
+
+def test_a_mismatched_batch_leaves_no_gradient_for_the_next_step_with_an_optimizer() -> None:
+    """The step raised MismatchedBatch before its optimizer.zero_grad(), so the next good
+    step's update applied the bad step's gradients too."""
+    model = mlp(4)
+    plain = deepcopy(model)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    step = torch.optim.SGD(plain.parameters(), lr=0.1)
+    mse(plain(x), y).backward()
+    step.step()
+
+    def fn(rank: int, transport: Transport) -> None:
+        pipe = AsyncPipe(model, [2, 2], chunks=4, transport=transport, timeout=10)
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        with pytest.raises(asyncpipe.MismatchedBatch, match=r"zero the gradients"):
+            pipe.step(x, y[:4], mse, optimizer=opt)  # a row of target per 2 rows: broadcast
+        assert all(p.grad is None or not p.grad.any() for p in pipe.parameters())
+        pipe.step(x, y, mse, optimizer=opt)
+
+    values(run_threads(fn, 2))
+    for got, want in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(got, want)
 
 
 def test_an_interrupted_step_is_named_when_the_pipeline_refuses_the_next() -> None:

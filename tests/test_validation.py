@@ -112,6 +112,31 @@ def test_init_outside_torchrun_says_how_to_launch(monkeypatch: pytest.MonkeyPatc
         asyncpipe.init()
 
 
+def test_a_group_after_the_callers_own_takes_store_keys_of_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """init() over the caller's own init_process_group, then shutdown() and init() again: the
+    second group read torchrun's store under the first one's names, and a rank could take a
+    peer's old address (gloo's connectFullMesh refused, 2 runs of 7)."""
+    from asyncpipe import group
+
+    monkeypatch.setattr(group, "_GROUPS", 0)
+    monkeypatch.setattr(group, "pause_at_exit", lambda: None)
+    monkeypatch.setattr(group.dist, "is_initialized", lambda: True)
+    asyncpipe.init()  # the caller's group is running: nothing to set up
+    monkeypatch.setattr(group.dist, "is_initialized", lambda: False)  # after shutdown()
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("MASTER_PORT", "29999")
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    store = torch.distributed.HashStore()
+    monkeypatch.setattr(group, "rendezvous", lambda *a, **k: iter([(store, 0, 1)]))
+    given: dict[str, object] = {}
+    monkeypatch.setattr(group.dist, "init_process_group", lambda **kw: given.update(kw))
+    asyncpipe.init(backend="gloo")
+    assert isinstance(given.get("store"), group.PrefixStore), given
+
+
 def test_lazy_module_checks_its_function() -> None:
     with pytest.raises(TypeError, match="takes a function"):
         LazyModule(nn.Linear(2, 2))  # type: ignore[arg-type]

@@ -266,6 +266,7 @@ def save(
     Example:
         >>> asyncpipe.checkpoint.save(pipe, optimizer, "ckpt", step=step)  # doctest: +SKIP
     """
+    pipe._guard()  # a failed pipeline cannot exchange: say so, not the transport's error
     if pipe.in_flight:  # the same on every rank: all raise
         raise RuntimeError(
             "schedule '2bw' keeps a mini-batch in flight between steps, whose backwards and "
@@ -427,6 +428,7 @@ def load(
     Example:
         >>> start = asyncpipe.checkpoint.load(pipe, optimizer, "ckpt").step  # doctest: +SKIP
     """
+    pipe._guard()
     if pipe.in_flight:  # the same on every rank: all raise
         raise RuntimeError(
             "schedule '2bw' keeps a mini-batch in flight between steps, which would go on with "
