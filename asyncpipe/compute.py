@@ -57,6 +57,26 @@ class Compute:
     in_place: dict[int, bool]
     """By segment: whether its layers modified their input in place in a checkpointed forward
     (learned at the first, see :meth:`_checkpointed`)."""
+    _layer_modules: dict[int, list[torch.nn.Module]] | None = None
+    """By segment: every module in its layers, whose training flags a checkpointed forward
+    saves for its recompute (listed at the first)."""
+
+    def _segment_modules(self, seg: int) -> list[torch.nn.Module]:
+        """Every module of segment ``seg``'s layers, once (listed at the first call: the
+        forward and the recompute of a micro-batch read the same list)."""
+        if self._layer_modules is None:
+            self._layer_modules = {}
+        found = self._layer_modules.get(seg)
+        if found is None:
+            found = self._layer_modules[seg] = list(
+                {
+                    id(m): m
+                    for layer in self.segments[seg]
+                    if isinstance(layer, torch.nn.Module)
+                    for m in layer.modules()
+                }.values()
+            )
+        return found
 
     def _input(self, work: Work, seg: int, i: int) -> Tensors:
         if seg == 0:
@@ -146,7 +166,7 @@ class Compute:
             work.live += 1
             work.peak = max(work.peak, work.live)
             if checkpointed(work.policy, i, work.microbatches):
-                work.rng[(seg, i)] = RNGState.save(self.device)
+                work.rng[(seg, i)] = RNGState.save(self.device, self._segment_modules(seg))
                 with torch.no_grad():
                     out, stashed = self._checkpointed(work, seg, i, x, skips)
                 # Announce the gradients the recomputed outputs will want.
@@ -215,7 +235,10 @@ class Compute:
         stashed = work.skip_out.pop((seg, i))
         rng = work.rng.pop((seg, i), None)
         if rng is not None:  # recompute; autograd may be running us with gradients off
-            with rng.restored(), torch.enable_grad(), paused(self.segments[seg]):
+            # in the modes of its forward (the caller may have switched train()/eval() since),
+            # set before paused(), which keeps the running statistics of training BatchNorms
+            modes = rng.modes(self._segment_modules(seg))
+            with rng.restored(), modes, torch.enable_grad(), paused(self.segments[seg]):
                 out, stashed = self._compute(work, seg, i, x, skips)
         split = (seg, i) in work.split
         stash_grads = work.skip_grads.pop((seg, i), {})

@@ -1,17 +1,19 @@
-"""Activation checkpointing: which micro-batches drop their activations, and replaying RNG.
+"""Activation checkpointing: which micro-batches drop activations, and replaying RNG and modes.
 
-A checkpointed forward runs under ``torch.no_grad()`` and keeps only its inputs and the random
-number generator state; its backward first runs the forward again with that state restored, so
-dropout masks match, then back-propagates::
+A checkpointed forward runs under ``torch.no_grad()`` and keeps only its inputs, the random
+number generator state and its layers' training flags; its backward first runs the forward
+again with that state restored, so dropout masks match and every layer runs in the mode of the
+first forward (the caller may switch ``train()``/``eval()`` before the backward: a 2BW
+mini-batch in flight, or ``pipe(input)`` before its backward), then back-propagates::
 
-    forward    inputs ──F (no graph)──> outputs          keep: inputs, RNG state
-    backward   inputs ──F (graph, same RNG)──> outputs ──backward──> input and weight grads
+    forward    inputs ──F (no graph)──> outputs          keep: inputs, RNG state, modes
+    backward   inputs ──F (graph, same RNG, modes)──> outputs ──backward──> input and weight grads
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -46,19 +48,39 @@ def forked_rng() -> Iterator[None]:
 
 @dataclass(frozen=True)
 class RNGState:
-    """The CPU generator state and, where CUDA is in use, the current device's state."""
+    """The CPU generator state and, where CUDA is in use, the current device's state; with
+    the training flags of the modules the forward ran (see :meth:`modes`)."""
 
     cpu: torch.Tensor
     cuda: torch.Tensor | None
     device: int | None
+    training: list[bool] | None = None
 
     @classmethod
-    def save(cls, device: torch.device) -> RNGState:
+    def save(cls, device: torch.device, modules: Sequence[torch.nn.Module] = ()) -> RNGState:
+        training = [m.training for m in modules]
         with _GENERATORS:
             if device.type == "cuda":
                 index = device.index if device.index is not None else torch.cuda.current_device()
-                return cls(torch.get_rng_state(), torch.cuda.get_rng_state(index), index)
-            return cls(torch.get_rng_state(), None, None)
+                return cls(torch.get_rng_state(), torch.cuda.get_rng_state(index), index, training)
+            return cls(torch.get_rng_state(), None, None, training)
+
+    @contextmanager
+    def modes(self, modules: Sequence[torch.nn.Module]) -> Iterator[None]:
+        """Run the body with ``modules`` (those given to :meth:`save`) in the training mode
+        they had then, and put back the modes the caller has set since (if any)."""
+        saved = self.training or []
+        changed = [m for m, mode in zip(modules, saved) if m.training != mode]
+        if not changed:  # the usual case: nothing to do
+            yield
+            return
+        for m in changed:
+            m.training = not m.training
+        try:
+            yield
+        finally:
+            for m in changed:
+                m.training = not m.training
 
     @contextmanager
     def restored(self) -> Iterator[None]:

@@ -11,6 +11,11 @@ flight stays here between calls, and the update lands at the end of the window::
 
 Ranks report how a window went to every other rank without waiting for each other: a window's
 news is read at the end of the next one (or by ``flush()``), so the pipeline stays full.
+
+Between two windows the caller may change what the stale backwards depend on: the parameters'
+``requires_grad`` (recorded as each mini-batch's forwards begin and put back for its stale
+backwards) and ``.grad``, which holds the running gradient of the mini-batch in flight (a
+change there, e.g. ``optimizer.zero_grad()``, is refused at the start of the next window).
 """
 
 from __future__ import annotations
@@ -76,6 +81,11 @@ class Stream:
         self.batches = 0
         """Mini-batches begun since the start or the last drain (numbers trace events)."""
         self.optimizer: torch.optim.Optimizer | None = None
+        """The last step's optimizer (None on a rank without parameters)."""
+        self.flags: list[bool] | None = None
+        """The parameters' ``requires_grad`` as the forwards of the mini-batch in flight began."""
+        self._stale_flags: list[bool] | None = None
+        """Those flags, for the stale backwards of this window, where the caller changed some."""
         self.max_norm: float | None = None
         """Clip each applied gradient to this 2-norm over every stage (the last step's)."""
         self.grad_norm = math.nan
@@ -106,12 +116,7 @@ class Stream:
         current = 1 if steady else 0
         with self._before(window, current):  # a rejection reaches every rank
             work = prepare(self.microbatches)
-            if not isinstance(optimizer, torch.optim.Optimizer):
-                raise TypeError(
-                    f"schedule '2bw' applies each mini-batch's update itself, one step late: "
-                    f"pass this rank's optimizer, pipe.step(x, y, loss_fn, optimizer=optimizer) "
-                    f"(got {type(optimizer).__name__})"
-                )
+            checked = _optimizer(optimizer, bool(self.versions.params))
             if work.microbatches != self.microbatches:
                 raise ValueError(
                     f"schedule '2bw' needs every mini-batch to split into chunks="
@@ -120,7 +125,9 @@ class Stream:
                     f"multiple of {self.microbatches}"
                 )
             posted = self._post_news()
-        self.optimizer, self.max_norm = optimizer, max_norm
+        self.optimizer, self.max_norm = checked, max_norm
+        flags = self.versions.requires_grad()  # as this mini-batch's forwards begin
+        self._stale_flags = self.flags if self.flags != flags else None
         events, busy, peak = self._run(
             window, {current: work, current - 1: self.previous}, current, start
         )
@@ -140,8 +147,9 @@ class Stream:
         transport.flush(self.runtime.timeout)
         # Last, when the peers have all they need of this window: a failure here reaches
         # them in their next window, not as a send that nobody takes.
-        self._update(optimizer, keep=bool(owed))
-        self.previous = work
+        self._update(self.optimizer, keep=bool(owed))
+        self.versions.hold()  # the running gradient of ``work``: nothing may change it now
+        self.previous, self.flags = work, flags
         self.batches += 1
         seconds = time.perf_counter() - start
         return work, loss, StepReport(seconds, busy, events, start, peak)
@@ -151,13 +159,15 @@ class Stream:
         then empty. Returns the mean loss of that mini-batch (NaN if nothing was in flight) and
         the timing of the drain."""
         start = time.perf_counter()
-        if self.previous is None or self.optimizer is None:
+        if self.previous is None:
             return math.nan, StepReport(0.0, 0.0, [], start)
+        flags = self.versions.requires_grad()
+        self._stale_flags = self.flags if self.flags != flags else None
         events, busy, peak = self._run(self.windows["drain"], {1: self.previous}, 2, start)
         loss = self._read_news()  # first: a mini-batch whose news says it was wrong is not applied
         self._update(self.optimizer, keep=False)
         self.runtime.transport.flush_received(self.runtime.timeout)  # every rank's news is in
-        self.previous = None
+        self.previous, self.flags, self._stale_flags = None, None, None
         self.batches = 0
         return loss, StepReport(time.perf_counter() - start, busy, events, start, peak)
 
@@ -272,6 +282,7 @@ class Stream:
         runtime = self.runtime
         stale = current - 1
         with self._before(window, current):
+            self.versions.check_held()  # first: the running gradient is as the last window left it
             local = [(a, Action(a.stage, a.kind, a.microbatch % m, a.peer)) for a in window]
             older = [n for n, (a, _) in enumerate(local) if a.microbatch // m == stale]
             take_at = older[-1] if older else -1
@@ -310,9 +321,10 @@ class Stream:
         if self.max_norm is not None and self.versions.ready is not None:
             self._norm.send(self.versions.ready)
 
-    def _update(self, optimizer: torch.optim.Optimizer, keep: bool) -> None:
+    def _update(self, optimizer: torch.optim.Optimizer | None, keep: bool) -> None:
         """Apply the previous mini-batch's gradient (clipped by its norm over every stage, with
-        ``max_norm``); a failure there reaches every rank."""
+        ``max_norm``; no optimizer: a rank without parameters); a failure there reaches every
+        rank."""
         try:
             ready = self.versions.ready
             self.grad_norm = math.nan
@@ -382,15 +394,29 @@ class Stream:
 
     @contextlib.contextmanager
     def _versioned(self, action: Action, stale: int) -> Iterator[None]:
-        """Forwards save the live version; backwards of the older mini-batch use the stash."""
+        """Forwards save the live version; backwards of the older mini-batch use the stash,
+        and its ``requires_grad`` flags where the caller changed some since."""
         if action.kind is Kind.FORWARD:
             with self.versions.saving():
                 yield
         elif action.kind is Kind.BACKWARD and action.microbatch // self.microbatches == stale:
-            with self.versions.stale():
+            with self.versions.stale(self._stale_flags):
                 yield
         else:
             yield
+
+
+def _optimizer(optimizer: object, needed: bool) -> torch.optim.Optimizer | None:
+    """``optimizer``, checked: a rank without parameters (not ``needed``) may pass None."""
+    if optimizer is None and not needed:
+        return None
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"schedule '2bw' applies each mini-batch's update itself, one step late: pass this "
+            f"rank's optimizer, pipe.step(x, y, loss_fn, optimizer=optimizer) (got "
+            f"{type(optimizer).__name__}; only a rank without parameters passes None)"
+        )
+    return optimizer
 
 
 def _crossing(

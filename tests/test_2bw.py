@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -48,20 +49,22 @@ def delayed_reference(
     flush_after: set[int],
     max_norm: float | None = None,
     norms: list[float] | None = None,
+    hook: Callable[[int, nn.Module], object] | None = None,
 ) -> tuple[list[float], nn.Module]:
     """The 2BW rule in one process: mini-batch t runs on W(t), and W(t+1) = W(t) updated with
     the gradient of mini-batch t-1 (computed at W(t-1)); a flush applies the pending gradient.
     With ``max_norm``, torch's ``clip_grad_norm_`` clips each gradient applied (its norms are
-    appended to ``norms``). Returns what step() and flush() return, in call order, and the
-    trained model."""
+    appended to ``norms``). ``hook(t, model)`` runs before mini-batch t (e.g. switches modes or
+    freezes parameters: mini-batch t then runs as it says). Returns what step() and flush()
+    return, in call order, and the trained model."""
     plain = copy.deepcopy(plain)
     params = list(plain.parameters())
     opt = adam(params)
-    pending: list[Tensor] | None = None
+    pending: list[Tensor | None] | None = None
     pending_loss = math.nan
     returned: list[float] = []
 
-    def apply(grads: list[Tensor]) -> None:
+    def apply(grads: list[Tensor | None]) -> None:
         for p, g in zip(params, grads):
             p.grad = g
         if max_norm is not None:
@@ -71,13 +74,15 @@ def delayed_reference(
         opt.step()
 
     for t, (x, y) in enumerate(data):
+        if hook is not None:
+            hook(t, plain)
         plain.zero_grad()
         loss = 0.0
         for px, py in zip(x.chunk(chunks), y.chunk(chunks)):
             piece = mse(plain(px), py) / chunks
             piece.backward()
             loss += float(piece.detach())
-        grads = [p.grad.clone() for p in params]  # type: ignore[union-attr]
+        grads = [None if p.grad is None else p.grad.clone() for p in params]
         returned.append(pending_loss)
         if pending is not None:
             apply(pending)
