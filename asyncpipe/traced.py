@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from .trace import TraceWriter
 from .trace.recorder import Recorder
+from .trace.run import stream_window
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -82,14 +83,17 @@ class TracedSteps:
 
     def _traced(self, work: Work | None, loss: float | None, window: str | None = None) -> None:
         """Hand the finished step to the recorder (if tracing); ``window``: the 2BW window it
-        ran (its work is the new mini-batch, none for the drain; its loss may be NaN)."""
+        ran (its work is the new mini-batch, none for the drain). The first window has no loss
+        yet (NaN by design): it is recorded as none; any other NaN loss (a diverged run) is
+        recorded as NaN."""
         if self._recorder is not None:
             inputs = work.inputs if work is not None else None
             samples = sum(int(x[0].shape[0]) for x in inputs or () if x and x[0].dim())
             m = work.microbatches if work is not None else self.chunks
             train = work.train if work is not None else True
-            if loss is not None and math.isnan(loss):
-                loss = None
+            cut = None if window is None else stream_window(f"{m}/{window}")
+            if loss is not None and math.isnan(loss) and cut is not None and cut[1] == 0:
+                loss = None  # the first 2BW window: no mini-batch has finished yet
             self._recorder.end_step(
                 loss=loss, samples=samples, microbatches=m, train=train, window=window
             )

@@ -540,7 +540,8 @@ def test_a_second_run_into_the_directory_goes_on_after_the_first(tmp_path: Path)
     losses = board.Scalars("train/loss")
     assert [e.step for e in losses] == [s.step for s in steps]
     assert [e.value for e in losses] == pytest.approx([s.loss for s in steps], rel=1e-6)
-    assert [e.step for e in board.Images("timeline")] == [0, 2, 4, 6]
+    # every 2 training steps of a run, from its first (3 steps, then 2 and 2)
+    assert [e.step for e in board.Images("timeline")] == [0, 2, 3, 5]
     assert [e.step for e in board.Tensors("config/text_summary")] == [0, 3, 5]
     assert render(tmp_path, quiet=True, images=False).step.step == 4  # the most common plan
 
@@ -592,3 +593,152 @@ def test_single_controller_mode_traces_every_step(tmp_path: Path, close: bool) -
     losses = run_ranks(traced_remote, 2, str(tmp_path), 2, close, timeout=240)[0]
     _recorded(tmp_path, losses)
     assert (tmp_path / "trace.json").exists() and (tmp_path / "timeline.html").exists()
+
+
+# ----- what the trace showed wrongly ----------------------------------------------------
+
+
+def test_a_nan_loss_is_recorded_as_nan(tmp_path: Path) -> None:
+    """A diverged step (step() returned NaN) was recorded with loss null and left out of
+    TensorBoard's train/loss: only the first 2BW window (no loss yet) is recorded without
+    one; any other NaN loss is recorded as NaN, in events.jsonl and TensorBoard."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    model = mlp(2)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+
+    def fn(rank: int, transport: Transport) -> list[float]:
+        pipe = AsyncPipe(model, [1, 1], chunks=2, transport=transport, timeout=20, trace=tmp_path)
+        got = [pipe.step(x * (1 if n < 2 else math.nan), y, mse) for n in range(3)]
+        pipe.close()
+        return got
+
+    losses = values(run_threads(fn, 2))[0]
+    assert math.isnan(losses[2]) and not math.isnan(losses[1])
+    steps = load_steps(tmp_path)
+    assert steps[2].loss is not None and math.isnan(steps[2].loss)
+    assert steps[1].loss == pytest.approx(losses[1], rel=1e-6)
+    board = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0})
+    board.Reload()
+    recorded = board.Scalars("train/loss")
+    assert [e.step for e in recorded] == [0, 1, 2] and math.isnan(recorded[2].value)
+    assert render(tmp_path, quiet=True, images=False).step.step == 2  # the readers take NaN
+
+
+def test_the_first_2bw_window_has_no_loss(tmp_path: Path) -> None:
+    model = mlp(2)
+
+    def fn(rank: int, transport: Transport) -> None:
+        pipe = AsyncPipe(
+            model, [1, 1], chunks=2, transport=transport, timeout=20, trace=tmp_path,
+            schedule="2bw",
+        )  # fmt: skip
+        optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        for _ in range(2):
+            pipe.step(torch.randn(4, 8), torch.randn(4, 8), mse, optimizer=optimizer)
+        pipe.close()
+
+    values(run_threads(fn, 2))
+    steps = load_steps(tmp_path)
+    assert [s.plan for s in steps] == ["2/2bw-first", "2/2bw", "2/2bw-drain"]
+    assert steps[0].loss is None and all(s.loss is not None for s in steps[1:])
+
+
+def test_a_span_before_the_first_step_is_on_rank_0s_clock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A trace_span before the first step was recorded on the rank's own clock (the offset to
+    rank 0's, measured at the first step, was still 0): here a clock 1000 s behind rank 0's
+    put it 1000 s before the step. Now every span is moved by the offset as its step ends."""
+    import asyncpipe.trace.recorder as recorder
+    from asyncpipe.transport import InProcessHub
+
+    monkeypatch.setattr(recorder, "clock_offset", lambda *_: 1000.0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    pipe = AsyncPipe(model, [2], chunks=2, transport=InProcessHub(1).transport(0), trace=tmp_path)
+    with pipe.trace_span("setup"):
+        pass
+    for _ in range(2):
+        pipe.step(torch.randn(4, 4), torch.randn(4, 4), mse)
+        with pipe.trace_span("optimizer"):
+            pass
+    pipe.close()
+    steps = load_steps(tmp_path)
+    spans = {name: (s.step, start, end) for s in steps for _, name, start, end in s.extra}
+    step, start, end = spans["setup"]
+    assert step == 0 and -30 < start <= end <= 0, spans  # just before the step
+    step, start, end = spans["optimizer"]
+    assert step == 1 and -30 < start <= end <= 0, spans
+
+
+def test_timelines_count_training_steps_only(tmp_path: Path) -> None:
+    """An evaluation before each training step took every even step number, and the timeline
+    and the ideal scalars (due every ``every`` step numbers) were never written. Now they are
+    due at the first training step, then every ``every`` training steps."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    writer = TraceWriter(tmp_path, every=2)
+    writer.open({"chunks": 1})
+    plan = lower(build("gpipe", 2, 1))
+    writer.add_plan("1/train", plan)
+    writer.add_plan("1/eval", plan)
+    for n in range(8):
+        kind = "1/eval" if n % 2 == 0 else "1/train"
+        writer.write(StepTrace(n, 100.0 + n, 0.5, 8, literal_step().ranks, kind))
+    writer.close()
+    board = EventAccumulator(str(tmp_path), size_guidance={"images": 0, "scalars": 0})
+    board.Reload()
+    assert [e.step for e in board.Scalars("train/step_seconds")] == [1, 3, 5, 7]
+    assert [e.step for e in board.Scalars("pipeline/ideal_step_seconds")] == [1, 5]
+    assert [e.step for e in board.Images("timeline")] == [1, 5]
+
+
+def test_steps_after_close_are_not_traced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps after close() went on queueing for a writer that had ended: after 1024 of them
+    rank 0 raised that the writer was behind (and the other ranks timed out). Now no rank
+    traces them (a warning says so) and the pipeline goes on."""
+    import asyncpipe.trace.recorder as recorder
+
+    monkeypatch.setattr(recorder, "_BACKLOG", 2)
+    model = mlp(2)
+
+    def fn(rank: int, transport: Transport) -> list[float]:
+        pipe = AsyncPipe(model, [1, 1], chunks=2, transport=transport, timeout=3, trace=tmp_path)
+        x, y = torch.randn(4, 8), torch.randn(4, 8)
+        losses = [pipe.step(x, y, mse)]
+        pipe.close()
+        losses += [pipe.step(x, y, mse) for _ in range(5)]
+        pipe.close()
+        assert pipe._recorder is not None and pipe._recorder._queue.empty()
+        return losses
+
+    with pytest.warns(UserWarning, match=r"ran after pipe.close\(\).*not traced"):
+        results = values(run_threads(fn, 2))
+    assert all(len(v) == 6 for v in results)
+    assert [s.step for s in load_steps(tmp_path)] == [0]
+
+
+def _stepped(directory: Path, plans: list[str]) -> None:
+    """Literal steps of the given plan keys (not stored: no ideal) written into ``directory``."""
+    writer = TraceWriter(directory, tensorboard=False, images=False)
+    writer.open({"chunks": 1})
+    for n, key in enumerate(plans):
+        writer.write(StepTrace(n, 100.0 + n, 0.5, 8, literal_step().ranks, key))
+    writer.close()
+
+
+def test_the_summary_keeps_the_first_steady_2bw_window(tmp_path: Path) -> None:
+    """The summary left out the first steady 2BW window as warm-up (a run of 3 steps said
+    "1 steps"): the first window, a kind of its own, was the warm-up."""
+    _stepped(tmp_path, ["4/2bw-first", "4/2bw", "4/2bw", "4/2bw-drain"])
+    rendered = render(tmp_path, quiet=True, images=False)
+    assert rendered.step.step == 2 and rendered.text.startswith("2 steps"), rendered.text
+    _stepped(tmp_path / "gpipe", ["4/train"] * 3)  # other kinds still leave out their first
+    assert render(tmp_path / "gpipe", quiet=True, images=False).text.startswith("2 steps")
+
+
+def test_the_summary_of_a_step_includes_it(tmp_path: Path) -> None:
+    """--step N summarized the steps of N's kind without the first: --step 0 left out step 0."""
+    written_run(tmp_path, 3)
+    assert render(tmp_path, step=0, quiet=True, images=False).text.startswith("3 steps")
+    assert render(tmp_path, step=2, quiet=True, images=False).text.startswith("2 steps")

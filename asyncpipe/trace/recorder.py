@@ -24,6 +24,7 @@ import resource
 import sys
 import threading
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -114,10 +115,12 @@ class Recorder:
         self._late = False  # the writer thread has left images out (said once)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._after_close = False  # a step after close() was not traced (said once)
 
     def begin(self) -> None:
-        """Align the clocks and open the writer: every rank, before the first step."""
-        if self.started:
+        """Align the clocks and open the writer: every rank, before the first step (not after
+        :meth:`close`: the steps after it are not traced)."""
+        if self.started or self.closed:
             return
         self.started = True
         self.offset = clock_offset(self.transport, self.timeout, self.device)
@@ -130,11 +133,13 @@ class Recorder:
 
     @contextlib.contextmanager
     def span(self, name: str) -> Iterator[None]:
-        """Time a block of the caller's (e.g. the optimizer step) into the next payload."""
+        """Time a block of the caller's (e.g. the optimizer step) into the next payload (on
+        this rank's clock: :meth:`end_step` moves it onto rank 0's, whose offset a span before
+        the first step does not know yet)."""
         start = time.perf_counter()
         with record_function(name):
             yield
-        self._extra.append((name, start + self.offset, time.perf_counter() + self.offset))
+        self._extra.append((name, start, time.perf_counter()))
 
     def watch(self, optimizer: torch.optim.Optimizer, name: str) -> None:
         """Time every ``optimizer.step()`` as a span, through the optimizer's step hooks."""
@@ -149,8 +154,7 @@ class Recorder:
             if open_spans:
                 start, profiled = open_spans.pop()
                 profiled.close()
-                end = time.perf_counter()
-                self._extra.append((name, start + self.offset, end + self.offset))
+                self._extra.append((name, start, time.perf_counter()))
 
         optimizer.register_step_pre_hook(before)
         optimizer.register_step_post_hook(after)
@@ -163,6 +167,8 @@ class Recorder:
 
     def add(self, report: StepReport) -> None:
         """One run of the runtime (a whole step, or its forward or backward phase)."""
+        if self.closed:
+            return
         if self._phase_start is None:
             self._phase_start = report.start + self.offset
         self._phases += _phase_events(report, self.offset)
@@ -181,15 +187,30 @@ class Recorder:
 
         ``window``: the step ran one window of the 2BW stream (named by
         :func:`~asyncpipe.trace.run.window_name`), not a whole plan; its plan in the trace is
-        the stream it is a window of."""
+        the stream it is a window of.
+
+        After :meth:`close` (which every rank calls) a step is not traced, on any rank: rank 0
+        no longer writes, so no rank sends (a warning says so, once)."""
+        if self.closed:
+            self._phases, self._extra, self._phase_start = [], [], None
+            if not self._after_close:
+                self._after_close = True
+                warnings.warn(
+                    "asyncpipe: this step ran after pipe.close(), which ended the trace "
+                    f"({self.writer.directory}): it and the steps after it are not traced",
+                    stacklevel=4,
+                )
+            return
         assert self._phase_start is not None
+        shift = self.offset  # the spans were timed on this rank's clock
+        shared = [(name, start + shift, end + shift) for name, start, end in self._extra]
         payload: dict[str, Any] = {
             "start": self._phase_start,
             "seconds": self._phase_end - self._phase_start,
             "events": self._phases,
             "peak_memory": peak_memory(self.device),
             "samples": samples,
-            "extra": self._extra,
+            "extra": shared,
         }
         self._phases, self._extra, self._phase_start = [], [], None
         step, self.step = self.step, self.step + 1

@@ -28,7 +28,8 @@ class TraceWriter:
 
     - TensorBoard event files (``tensorboard --logdir runs``): per step ``train/loss``,
       ``train/step_seconds``, ``train/samples_per_second``, ``pipeline/bubble_fraction``,
-      ``idle_fraction/rank<r>`` and ``peak_memory_mib/rank<r>``; every ``every`` steps a
+      ``idle_fraction/rank<r>`` and ``peak_memory_mib/rank<r>``; every ``every`` training steps
+      (counted from this run's first, which gets one; inference steps do not count) a
       ``timeline`` image (the measured step above the simulated ideal of the same plan, or of
       the same window of the stream for a 2BW step) with
       ``pipeline/ideal_bubble_fraction`` and ``pipeline/ideal_step_seconds``; the configuration
@@ -53,7 +54,8 @@ class TraceWriter:
 
     Args:
         directory: where to write (created if missing).
-        every: steps between timeline images (the first step gets one).
+        every: training steps between timeline images (this run's first training step gets
+            one).
         images: draw timeline images (they need Pillow, ``pip install asyncpipe[trace]``;
             without it the trace is written without them, with a warning).
         tensorboard: write TensorBoard event files.
@@ -81,6 +83,8 @@ class TraceWriter:
         """The number of this run's first step: one past the last step recorded in the
         directory (0 in a new one); set by :meth:`open`."""
         self._earlier: set[str] = set()
+        self._since_picture: int | None = None
+        """Training steps since the last one due a picture (None: none was yet)."""
         self._events: IO[str] | None = None
         self._board: Any = None
 
@@ -150,7 +154,9 @@ class TraceWriter:
         for rank, part in sorted(step.ranks.items()):
             board.add_scalar(f"idle_fraction/rank{rank}", step.idle(rank), n)
             board.add_scalar(f"peak_memory_mib/rank{rank}", part.peak_memory / 2**20, n)
-        if n % self.every == 0 and step.plan in self.plans:
+        due = self._since_picture is None or self._since_picture + 1 >= self.every
+        self._since_picture = 0 if due else (self._since_picture or 0) + 1
+        if due and step.plan in self.plans:
             ideal = step.ideal(self.plans[step.plan])
             board.add_scalar("pipeline/ideal_bubble_fraction", ideal.total_bubble, n)
             board.add_scalar("pipeline/ideal_step_seconds", ideal.makespan, n)
