@@ -530,9 +530,10 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
         With ``optimizer`` (this rank's optimizer), the step ends with ``optimizer.step()``
         and ``optimizer.zero_grad()`` (a float16 step that overflowed skips
         ``optimizer.step()``, as ``torch.amp.GradScaler`` does). ``schedule="2bw"`` needs it
-        (a rank without parameters passes None) and differs (see :doc:`/2bw`): the step runs one window of a pipeline that never
-        drains, applies the previous mini-batch's gradient at its end, and returns that
-        mini-batch's loss (NaN on the first step); :meth:`flush` drains the last one.
+        (a rank without parameters passes None) and differs (see :doc:`/2bw`): the step
+        runs one window of a pipeline that never drains, applies the previous mini-batch's
+        gradient at its end, and returns that mini-batch's loss (NaN on the first step);
+        :meth:`flush` drains the last one.
 
         With ``max_norm`` as well, the gradient is clipped just before ``optimizer.step()``
         to that 2-norm over every stage, as ``torch.nn.utils.clip_grad_norm_`` on the plain
