@@ -4,11 +4,12 @@ that went silent or is gone, and the notices a failed rank sends so nobody waits
 The end-of-step news each rank sends every other (``Runtime._finish``) is a row of floats::
 
     [loss, outcome, failed stage, micro-batch, rank, stop asked, input rows, target rows,
-     failed action's kind (-1: none or unknown)]
+     failed action's kind (-1: none or unknown), this rank timed out waiting for the failed one]
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -25,6 +26,34 @@ NEWS_SECONDS = 2.0
 """How long a failed rank waits for its failure notices to be taken."""
 PEER_ERRORS = (TransportTimeout, ConnectionError)
 """What a receive raises when its peer is silent or gone."""
+RPC_DOWN = "RPC has not been initialized"
+"""What torch's RPC raises on a rank where it is not running (shut down, or never started)."""
+TIMEOUT_CLOSURE = "Application timeout caused pair closure"
+"""What gloo says on a rank where a receive timed out: it closed every connection of the group."""
+CLOSED_BY_PEER = "closed by peer"
+"""What gloo says when the other end closed the connection: its process exited, or one of its
+receives timed out and gloo closed its connections (the peer still runs)."""
+
+
+def error_text(error: BaseException) -> str:
+    """The text of ``error`` and of the errors that caused it."""
+    texts: list[str] = []
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        texts.append(str(cause))
+        cause = cause.__cause__ or cause.__context__
+    return "\n".join(texts)
+
+
+def rpc_down(rank: int) -> str:
+    """Why a step over RPC failed at once on ``rank``: RPC is not running there."""
+    return (
+        f"RPC is not running on rank {rank}: it was shut down (asyncpipe.shutdown()) or never "
+        f"started, so this pipeline (transport='rpc') cannot run any more; call "
+        f"asyncpipe.init(rpc=True) again on every rank and build a new AsyncPipe"
+    )
 
 
 class FailureBlame:
@@ -35,6 +64,8 @@ class FailureBlame:
     timeout: float
     transport: Transport
     _statuses: dict[int, PendingRecv]
+    _heard: dict[int, float]
+    """When a message last came from each rank (key -1: from any), by ``time.monotonic``."""
 
     if TYPE_CHECKING:  # provided by Runtime
 
@@ -46,6 +77,8 @@ class FailureBlame:
         """This rank's failure: ``error`` came while it ran ``action`` (``current``: its text,
         or "prepare", or "" before any action)."""
         what = f"{type(error).__name__}: {error}"
+        if RPC_DOWN in error_text(error):
+            what = rpc_down(self.rank)
         if action is not None:
             text = (
                 f"stage {action.stage} failed in {current} (micro-batch {action.microbatch}) on "
@@ -63,6 +96,8 @@ class FailureBlame:
         this rank ran ``action`` (``current``: its text): the peer's own news of its failure
         where the peer sent it before it went, else the peer named as silent or gone (None:
         nothing better than ``error`` itself is known)."""
+        if RPC_DOWN in error_text(error):  # this rank's own RPC is down, not the peer
+            return self._own_failure(action, current, error)
         peer = error.peer if isinstance(error, PeerLost) else None
         if peer is None and action is not None and action.peer is not None:
             peer = self.owners[action.peer]
@@ -78,6 +113,9 @@ class FailureBlame:
         waited = action.peer if action is not None and action.kind.is_recv else None
         if action is not None and waited is not None and peer == self.owners[waited]:
             return self._silent_peer(action, error)
+        gave_up = self._gave_up(peer, action, current, error) if peer is not None else None
+        if gave_up is not None:
+            return gave_up
         if isinstance(error, PeerLost):
             stage = self.owners.index(peer) if peer in self.owners else -1
             text = (
@@ -88,6 +126,48 @@ class FailureBlame:
             mb = action.microbatch if action is not None else -1
             return Failed(text, stage, mb, current, error.peer)
         return None
+
+    def _heard_from(self, peer: int) -> None:
+        """Note that a message from rank ``peer`` came just now (see :meth:`_gave_up`)."""
+        heard = self.__dict__.setdefault("_heard", {})
+        heard[peer] = heard[-1] = time.monotonic()
+
+    def _silence(self, peer: int) -> float | None:
+        """Seconds since a message last came from rank ``peer`` (from any rank, if none came
+        from it yet); None before any came."""
+        heard: dict[int, float] = self.__dict__.get("_heard", {})
+        last = heard.get(peer, heard.get(-1))
+        return None if last is None else time.monotonic() - last
+
+    def _gave_up(
+        self, peer: int, action: Action | None, current: str, error: Exception
+    ) -> Failed | None:
+        """The failure to report where gloo's connection to ``peer`` was closed while this rank
+        kept it waiting longer than the timeout: gloo closes a rank's connections when one of
+        its receives times out, so the peer most likely gave up on this slow rank (it still
+        runs; a peer that exited closes its connections alike). None where the evidence is
+        that the peer is gone (the connection was reset, or this rank heard from it lately)."""
+        if not isinstance(error, ConnectionError):
+            return None
+        text = error_text(error)
+        silence = self._silence(peer)
+        slow = silence is not None and silence >= self.timeout
+        if TIMEOUT_CLOSURE not in text and not (CLOSED_BY_PEER in text.lower() and slow):
+            return None
+        stage = self.owners.index(peer) if peer in self.owners else -1
+        since = f", {silence:.1f} s after it last received a message" if silence is not None else ""
+        where = f"in {current}" if current else "as its step began"
+        text = (
+            f"rank {peer} (stage {stage}) gave up waiting for this rank after its timeout (or is "
+            f"gone): rank {self.rank} found its connection to rank {peer} closed {where}{since} "
+            f"({error}); gloo closes a rank's connections when one of its receives times out, "
+            f"so rank {self.rank} was most likely slower than the pipeline's "
+            f"timeout={self.timeout:g} s (its work took that long, or it began the step late): "
+            f"raise AsyncPipe(timeout=...) if its work really takes that long, and see rank "
+            f"{peer}'s own error"
+        )
+        mb = action.microbatch if action is not None else -1
+        return Failed(text, action.stage if action is not None else -1, mb, current, self.rank)
 
     def _news_of(self, peer: int) -> list[float] | None:
         """The end-of-step news of ``peer`` if it came before ``peer`` went (its receive was
@@ -111,6 +191,9 @@ class FailureBlame:
         what = "output" if kind is Kind.FORWARD else "input gradients"
         waited = f"in {action} waiting for the {what} of {owed} from rank {peer}"
         news = self._news_of(peer) if isinstance(error, TransportTimeout) else None
+        gave_up = self._gave_up(peer, action, str(action), error)
+        if gave_up is not None:
+            return gave_up
         if news is not None and news[1] == OK:  # the peer's step went well without it
             text = (
                 f"rank {peer} (stage {action.peer}) ended its step without sending what rank "
@@ -161,6 +244,7 @@ class FailureBlame:
         return error
 
     def _check_error(self, message: Message, action: Action) -> None:
+        self._heard_from(self.channel(action)[0])
         if message.error is not None:
             failure = Failed.decode(message.error, self.channel(action)[0])
             failure.text += f" (reported to rank {self.rank} while it waited in {action})"

@@ -6,6 +6,7 @@ import atexit
 import contextlib
 import datetime
 import os
+import re
 import time
 import warnings
 import weakref
@@ -175,13 +176,13 @@ def _init_rpc(timeout: float | datetime.timedelta, worker_map: Mapping[int, str]
 
     from .transport.rpc import device_maps
 
+    rank, world = dist.get_rank(), dist.get_world_size()
+    names = worker_names(worker_map, world)  # every rank has the same map: all refuse it alike
     try:
         torch_rpc.get_worker_info()
         return  # already running
     except RuntimeError:
         pass
-    rank, world = dist.get_rank(), dist.get_world_size()
-    names = {r: (worker_map or {}).get(r, f"worker{r}") for r in range(world)}
     seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
     options = torch_rpc.TensorPipeRpcBackendOptions(rpc_timeout=float(seconds))
     if torch.cuda.is_available():
@@ -195,6 +196,57 @@ def _init_rpc(timeout: float | datetime.timedelta, worker_map: Mapping[int, str]
     )
     atexit.unregister(_end_rpc_at_exit)  # once, after the newest agent (init after shutdown)
     atexit.register(_end_rpc_at_exit)
+
+
+_WORKER_NAME = re.compile(r"[A-Za-z0-9_:-]+")
+"""The RPC worker names torch accepts (``WorkerInfo``: ``^[A-Za-z0-9-_:]*$``, non-empty)."""
+_WORKER_NAME_MAX = 127
+"""The longest RPC worker name torch accepts (``WorkerInfo``: shorter than 128)."""
+
+
+def worker_names(worker_map: object, world: int) -> dict[int, str]:
+    """The RPC worker name of each of the ``world`` ranks: ``worker_map``'s, ``"worker{rank}"``
+    for the ranks it leaves out. A ValueError (a TypeError if it is no mapping) names what torch
+    would refuse (on one rank, leaving the others waiting for it) or silently ignore.
+
+    Example:
+        >>> worker_names({0: "trainer"}, 2)
+        {0: 'trainer', 1: 'worker1'}
+        >>> worker_names({"0": "trainer"}, 2)
+        Traceback (most recent call last):
+        ...
+        ValueError: worker_map's keys must be the ranks (ints 0..1), got '0'
+    """
+    given = {} if worker_map is None else worker_map
+    if not isinstance(given, Mapping):
+        raise TypeError(
+            f"worker_map must map each rank (an int) to its RPC worker name, got "
+            f"{type(given).__name__}"
+        )
+    for key, name in given.items():
+        if not isinstance(key, int) or isinstance(key, bool) or not 0 <= key < world:
+            raise ValueError(
+                f"worker_map's keys must be the ranks (ints 0..{world - 1}), got {key!r}"
+            )
+        if not isinstance(name, str):
+            raise ValueError(f"worker_map[{key}] must be a str, got {type(name).__name__} {name!r}")
+        if not _WORKER_NAME.fullmatch(name) or len(name) > _WORKER_NAME_MAX:
+            raise ValueError(
+                f"worker_map[{key}] = {name!r} is no RPC worker name: torch takes 1 to "
+                f"{_WORKER_NAME_MAX} letters, digits, '-', '_' or ':'"
+            )
+    names = {r: str(given.get(r, f"worker{r}")) for r in range(world)}
+    ranks: dict[str, list[int]] = {}
+    for r, name in names.items():
+        ranks.setdefault(name, []).append(r)
+    shared = {name: held for name, held in ranks.items() if len(held) > 1}
+    if shared:
+        name, held = next(iter(shared.items()))
+        raise ValueError(
+            f"worker_map gives ranks {held} the same RPC worker name {name!r} (ranks left out "
+            f'are named "worker{{rank}}"); each rank needs a name of its own'
+        )
+    return names
 
 
 def _restart() -> int:

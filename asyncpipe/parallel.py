@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import weakref
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -275,25 +276,53 @@ def gather_codes(code: int, seconds: float, what: str) -> list[int]:
     return [int(t.item()) for t in everyone]
 
 
-def same_transport(name: str | None, timeout: float, replicas: int = 1) -> None:
+_BUILT: list[object] = [None, 0]
+"""The default group (weakly) and how many pipelines this process built by transport name on
+it: :func:`same_transport` numbers them, alike on every rank."""
+
+_SERIAL = 1 << 32
+"""Where the pipeline's number starts in the code :func:`same_transport` gathers."""
+
+
+def built_before() -> int:
+    """Pipelines built by transport name on the current default group in this process."""
+    world = dist.group.WORLD
+    ref, count = _BUILT
+    if world is None or not isinstance(ref, weakref.ref) or ref() is not world:
+        return 0  # none yet, or a new default group (after shutdown() and init()): count anew
+    assert isinstance(count, int)
+    return count
+
+
+def same_transport(name: str | None, timeout: float, replicas: int = 1) -> int | None:
     """Check, in one collective over the world, that every rank builds the transport ``name``
     and as many pipeline replicas (``data_parallel_size``): a rank building another transport
     would wait in its own set-up (shm's is collective) or for messages that never come, one
     with other replicas in the collective creation of their groups, until the timeout. Raises
     ValueError naming each rank's choices.
 
+    Also numbers the pipeline: every rank must have built as many pipelines by name on this
+    default group before this one (ValueError otherwise). Returns that number, which keeps
+    the pipeline's messages apart from those of the others (two pipelines on one group would
+    take each other's messages, a rank stepping one while its peer steps the other running a
+    silent mix of both models).
+
     ``name=None``: this rank rejected its own arguments and takes part only to tell the others,
-    which raise a StageFailure naming it at once instead of waiting here until the timeout."""
+    which raise a StageFailure naming it at once instead of waiting here until the timeout
+    (returns None)."""
     kinds = len(_NAMES)
+    serial = built_before()
     codes = gather_codes(
-        _REFUSED if name is None else _NAMES.index(name) + kinds * (replicas - 1),
+        _REFUSED
+        if name is None
+        else _NAMES.index(name) + kinds * (replicas - 1) + _SERIAL * serial,
         timeout,
         "the other ranks in AsyncPipe's constructor, which compares the transport every rank "
         "builds: did the constructor fail on some rank, or is AsyncPipe not built there?",
     )
     refused = [rank for rank, c in enumerate(codes) if c == _REFUSED]
     if name is None:
-        return
+        return None
     if refused:
         raise refusal("AsyncPipe cannot be built", refused, dist.get_rank())
     auto = [rank for rank, c in enumerate(codes) if c == AUTO]
@@ -301,6 +330,8 @@ def same_transport(name: str | None, timeout: float, replicas: int = 1) -> None:
         from .balance.auto import mixed_balance
 
         raise ValueError(mixed_balance(auto, [r for r in range(len(codes)) if r not in auto]))
+    serials = [c // _SERIAL for c in codes]
+    codes = [c % _SERIAL for c in codes]
     names = [_NAMES[c % kinds] for c in codes]
     if len(set(names)) > 1:
         listed = ", ".join(f"rank {rank}: {n!r}" for rank, n in enumerate(names))
@@ -315,6 +346,16 @@ def same_transport(name: str | None, timeout: float, replicas: int = 1) -> None:
             f"every rank must pass the same data_parallel_size ({listed}); pass the same "
             f"data_parallel_size= (and a balance for as many pipeline ranks) on every rank"
         )
+    if len(set(serials)) > 1:
+        listed = ", ".join(f"rank {rank}: {n}" for rank, n in enumerate(serials))
+        raise ValueError(
+            f"the ranks built different numbers of pipelines before this one ({listed}): "
+            f"every rank must build the same pipelines, in the same order (each pipeline's "
+            f"messages are told apart by its place in that order; pipelines built in another "
+            f"order on some rank would take each other's messages)"
+        )
+    _BUILT[:] = [weakref.ref(dist.group.WORLD), serial + 1]
+    return serial
 
 
 def same_replicas(
@@ -388,8 +429,9 @@ def connect(
     """The transport of this rank's pipeline, its replica, and its data-parallel group (None
     with one replica). ``transport`` is a name or a ready Transport (one replica only); every
     rank of the world must name the same one (checked first)."""
+    serial = 0
     if isinstance(transport, str):
-        same_transport(transport, timeout, data_parallel_size)
+        serial = same_transport(transport, timeout, data_parallel_size) or 0
     layout = Layout(ranks, data_parallel_size)
     data_parallel_rank = 0
     pipeline_group = data_parallel_group = down_group = None
@@ -407,17 +449,19 @@ def connect(
         pipeline_group, data_parallel_group, down_group = groups(layout, me, ordered, timeout)
         data_parallel_rank = layout.replica(me)
     if transport == "rpc":
-        if pipeline_group is None:
-            return RPCTransport(), 0, None
+        if pipeline_group is None:  # a mailbox of the pipeline's own (see same_transport)
+            return RPCTransport(name=f"pipe{serial}"), 0, None
         ranks_of = layout.pipeline_ranks(data_parallel_rank)
         names = worker_names()
         rpc = RPCTransport(
             {s: names.get(r, f"worker{r}") for s, r in enumerate(ranks_of)},
-            name=f"pipe-replica{data_parallel_rank}",
+            name=f"pipe{serial}-replica{data_parallel_rank}",
         )
         return rpc, data_parallel_rank, data_parallel_group
     if transport == "shm":
         transport = ShmTransport(group=pipeline_group, device=device)
     elif isinstance(transport, str):
-        transport = P2PTransport(group=pipeline_group, device=device, down_group=down_group)
+        transport = P2PTransport(
+            group=pipeline_group, device=device, down_group=down_group, pipeline=serial
+        )
     return transport, data_parallel_rank, data_parallel_group

@@ -27,7 +27,7 @@ from .microbatch import Tensors
 from .schedule import Action, Kind, Plan, PlanError, forward_only, lower, validate
 from .schedule.messages import misordered_pair, settle_points
 from .skip.routes import SkipRoutes
-from .transport import Message, PendingRecv, Transport
+from .transport import Message, PendingRecv, Transport, TransportTimeout
 from .work import Grads, Work
 
 __all__: list[str] = []
@@ -208,6 +208,7 @@ class Runtime(FailureBlame, Compute):
         original: BaseException | None = None
         self._statuses = {}
         try:
+            self.transport.check()
             first: PendingRecv | None = None
             first_action: Action | None = None
             microbatches: int | None = None
@@ -264,7 +265,8 @@ class Runtime(FailureBlame, Compute):
         """Tell every rank how this step ended and learn how theirs did: raise if any failed,
         else settle the sends. A failed rank does not wait for the others' news."""
         # loss, outcome, failed stage, micro-batch, rank, stop asked, input rows, target
-        # rows, failed action's kind (-1: none or unknown)
+        # rows, failed action's kind (-1: none or unknown), whether this rank timed out
+        # waiting for the failed rank (which then learns it was the slow one)
         status = [work.local_loss() if work else 0.0, OK, -1.0, -1.0, -1.0]
         if failure is not None:
             status[1] = RELAYED if failure.relayed else FAILED
@@ -274,6 +276,8 @@ class Runtime(FailureBlame, Compute):
             [float(rows_of(work.inputs)), float(rows_of(work.targets))] if work else [-1.0] * 2
         )
         status.append(float(_kind_code(failure.action)) if failure is not None else -1.0)
+        waited = failure is not None and failure.rank != self.rank
+        status.append(float(waited and isinstance(original, TransportTimeout)))
         news = Message(0, 0, (torch.tensor(status, dtype=torch.float64, device=self.device),))
         try:
             self._post_statuses()
@@ -293,7 +297,7 @@ class Runtime(FailureBlame, Compute):
             with contextlib.suppress(Exception):  # a peer that is gone cannot be told
                 self.transport.flush(min(self.timeout, NEWS_SECONDS))
             raise self._raise(failure, original)
-        table = [status]
+        table, sources = [status], [self.rank]
         # A peer that waits for a message this rank never sends (the ranks ran different
         # calls) times out about when this rank's own wait would: a moment more lets its news,
         # which names the mismatch, come first.
@@ -302,7 +306,9 @@ class Runtime(FailureBlame, Compute):
         for peer, pending in self._post_statuses(now=True).items():
             try:
                 message = pending.wait(max(deadline - time.monotonic(), 0.001))
+                self._heard_from(peer)
                 table.append(message.values(peer, "status"))
+                sources.append(peer)
             except Exception as e:
                 stage = self.owners.index(peer)
                 raise StageFailure(
@@ -315,12 +321,28 @@ class Runtime(FailureBlame, Compute):
                     microbatch=-1,
                     action="",
                 ) from e
-        broken = [row for row in table if row[1] == FAILED] or [r for r in table if r[1] != OK]
+        broken = [n for n, row in enumerate(table) if row[1] == FAILED] or [
+            n for n, row in enumerate(table) if row[1] != OK
+        ]
         if broken:
-            stage, mb, rank, action, where = failure_in(broken[0])
-            raise StageFailure(
+            row, reporter = table[broken[0]], sources[broken[0]]
+            stage, mb, rank, action, where = failure_in(row)
+            text = (
                 f"{where} (see that rank's error for the cause); rank {self.rank} finished its "
-                f"own work",
+                f"own work"
+            )
+            if rank == self.rank and len(row) > 9 and row[9]:  # the blame is this rank's own
+                text = (
+                    f"rank {reporter} timed out waiting for this rank (rank {rank}, stage "
+                    f"{stage}) {f'in {action} ' if action else ''}(micro-batch {mb}): this rank "
+                    f"was slower than the pipeline's timeout={self.timeout:g} s (it began the "
+                    f"step late, its work took that long, or it ran another call or pipeline "
+                    f"meanwhile); it finished its own work since. Call the same methods in the "
+                    f"same order on every rank, or raise AsyncPipe(timeout=...) if its work "
+                    f"really takes that long"
+                )
+            raise StageFailure(
+                text,
                 rank=rank,
                 stage=stage,
                 microbatch=mb,
@@ -356,6 +378,7 @@ class Runtime(FailureBlame, Compute):
         for peer, receive in pending.items():
             try:  # after a peer's error, the rest only so that no receive is left posted
                 message = receive.wait(self.timeout if failure is None else NEWS_SECONDS)
+                self._heard_from(peer)
             except PEER_ERRORS:
                 if failure is None:
                     raise

@@ -4,9 +4,11 @@ Run as ``python failure_job.py MODE TIMEOUT [TRANSPORT]`` on ranks set up like t
 ``launch.run_processes``; the transport is p2p by default); MODE is forward, backward, loss,
 optimizer, kill, sleep, exit (rank 0 ends its process between two steps) or late_send (forward
 under 1F1B, while the last stage's backward of micro-batch 0 takes long enough that stage 1 is
-gone before that backward's gradient is sent to it). Every rank prints one line ``RESULT
-{json}`` describing how its job ended, then lets the error end the process (a non-zero exit
-code).
+gone before that backward's gradient is sent to it), late (stage 1 takes twice the timeout in
+one forward, and every process stays alive), badname (``init(rpc=True)`` with a worker name
+torch refuses) or after_shutdown (a step after ``asyncpipe.shutdown()``). Every rank prints
+one line ``RESULT {json}`` describing how its job ended, then lets the error end the process (a
+non-zero exit code).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class Faulty(nn.Module):
     def __init__(self, mode: str) -> None:
         super().__init__()
         self.lin, self.mode, self.step, self.calls = nn.Linear(8, 8), mode, 0, 0
+        self.timeout = 0.0
 
     def forward(self, x: Tensor) -> Tensor:
         self.calls += 1
@@ -43,6 +46,8 @@ class Faulty(nn.Module):
             os.kill(os.getpid(), signal.SIGKILL)
         if now and self.mode == "sleep":
             time.sleep(10**6)
+        if now and self.mode == "late":
+            time.sleep(2 * self.timeout + 1)  # the others give up on this rank meanwhile
         out = self.lin(x)
         if self.mode == "slow" and self.step == FAILING_STEP and self.calls == 1:
 
@@ -65,7 +70,15 @@ def main(mode: str, timeout: float, transport: str = "p2p") -> None:
     torch.manual_seed(0)
     faulty = Faulty("forward" if mode == "late_send" else mode)
     last = Faulty("slow" if mode == "late_send" else "")
+    faulty.timeout = timeout
     model = nn.Sequential(nn.Linear(8, 8), faulty, last)
+    if mode == "badname":  # every rank refuses the map at once (torch did on one rank)
+        try:
+            asyncpipe.init(backend="gloo", rpc=True, worker_map={0: "tr ainer", 1: "s"})
+        except ValueError as e:
+            print("RESULT " + json.dumps({"rank": rank, "type": "ValueError", "text": str(e)}))
+        asyncpipe.shutdown()
+        return
     asyncpipe.init(backend="gloo", rpc=transport == "rpc")
     schedule = "1f1b" if mode == "late_send" else "gpipe"
     pipe = asyncpipe.AsyncPipe(
@@ -94,6 +107,9 @@ def main(mode: str, timeout: float, transport: str = "p2p") -> None:
     optimizer.register_step_pre_hook(hook)
     began = time.monotonic()
     step = 0
+    if mode == "after_shutdown":
+        pipe.step(torch.randn(8, 8), torch.randn(8, 8), loss_fn)
+        asyncpipe.shutdown()
     try:
         for step in range(STEPS):
             faulty.step, faulty.calls, calls = step, 0, STEPS * 4 if step else 0

@@ -898,3 +898,73 @@ def tied_lm_resume(rank: int, world: int, path: str) -> Any:
         losses = [pipe.step(*tied_lm_batch(step), lm_loss, optimizer=opt) for step in range(2, 5)]
         out[name] = (losses, stated)
     return out
+
+
+def two_pipelines(rank: int, world: int, transport: str = "p2p") -> Any:
+    """Two pipelines on one process group (``transport`` by name). A pipeline that rank 0
+    numbers otherwise than rank 1 (as if rank 0 had built one more before) is refused on every
+    rank; stepped in the same order everywhere, both pipelines train like their plain models;
+    rank 0 stepping A while rank 1 steps B, then each the other, fails on every rank (before,
+    each pipeline took the other's messages: all four steps ran, mixing the two models)."""
+    import weakref
+
+    import torch.distributed as dist
+
+    import asyncpipe
+    from asyncpipe import parallel
+
+    if transport == "rpc":
+        asyncpipe.init(rpc=True)
+    out: dict[str, Any] = {}
+    try:
+        models = {"A": mlp(4, 8, seed=1), "B": mlp(4, 8, seed=2)}
+        saved = list(parallel._BUILT)
+        if rank == 0:
+            parallel._BUILT[:] = [weakref.ref(dist.group.WORLD), parallel.built_before() + 1]
+        try:
+            AsyncPipe(models["A"], [2, 2], chunks=2, timeout=10, transport=transport)
+            out["numbered apart"] = "built"
+        except ValueError as e:
+            out["numbered apart"] = str(e)
+        parallel._BUILT[:] = saved
+        pipes = {
+            name: AsyncPipe(model, [2, 2], chunks=2, timeout=3, transport=transport)
+            for name, model in models.items()
+        }
+        torch.manual_seed(5)
+        x, y = torch.randn(4, 8), torch.randn(4, 8)
+        for name in "AB":  # the same order on every rank
+            want_loss, want = reference(models[name], x, y, 2, mse)
+            loss = pipes[name].step(x, y, mse)
+            out[name] = (
+                abs(loss - want_loss),
+                _diff(pipes[name], dict(enumerate(want)), models[name]),
+            )
+        crossed = []
+        for name in "AB" if rank == 0 else "BA":
+            try:
+                crossed.append(("no error", pipes[name].step(x, y, mse)))
+            except Exception as e:
+                crossed.append((type(e).__name__, str(e)))
+        out["crossed"] = crossed
+        return out
+    finally:
+        if transport == "rpc":
+            asyncpipe.shutdown()
+
+
+def check_two_pipelines(results: list[dict[str, Any]]) -> None:
+    """See :func:`two_pipelines`."""
+    for rank, out in enumerate(results):
+        assert "built different numbers of pipelines before this one" in out["numbered apart"]
+        assert "rank 0: 1, rank 1: 0" in out["numbered apart"], out["numbered apart"]
+        for name in "AB":
+            loss_error, grad_error = out[name]
+            assert loss_error < 1e-6 and grad_error < 1e-6, (rank, name, out[name])
+        first, second = out["crossed"]
+        assert first[0] == "StageFailure", (rank, first)  # on every rank, naming the peer
+        assert f"rank {1 - rank} (stage {1 - rank})" in first[1], (rank, first)
+        assert second[0] != "no error", (rank, second)
+    # at least the rank that waited first says so (over gloo its timeout closes the pair, which
+    # the other sees as a lost connection)
+    assert any("sent nothing" in out["crossed"][0][1] for out in results), results

@@ -172,3 +172,20 @@ def two_bw(rank: int, world: int, plain: nn.Module, data: list[Any], chunks: int
     out = [pipe.step(x, y, mse, optimizer=opt) for x, y in data]
     out.append(pipe.flush())
     return out, {k: v.clone() for k, v in pipe.state_dict().items()}
+
+
+def after_shutdown(rank: int, world: int) -> Any:
+    """A pipeline over shm steps, then ``asyncpipe.shutdown()`` destroys its process group: the
+    next step fails as over p2p (before, the rings still carried it and it ran)."""
+    import asyncpipe
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    pipe = AsyncPipe(model, [1, 1], chunks=2, transport="shm", timeout=20)
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    pipe.step(x, y, mse)
+    asyncpipe.shutdown()
+    try:
+        pipe.step(x, y, mse)
+    except RuntimeError as e:
+        return type(e).__name__, str(e)
+    return "no error", ""

@@ -93,3 +93,38 @@ def test_a_job_that_ends_without_shutdown_exits_cleanly(mode: str) -> None:
         for process in run_processes(job, 2, mode, timeout=60):
             assert process.code == 0, (process.rank, process.code, process.stderr[-2000:])
             assert "terminate called" not in process.stderr, process.stderr[-2000:]
+
+
+def test_a_rank_slower_than_the_timeout_learns_the_others_gave_up_on_it() -> None:
+    # Every process stays alive: stage 1 takes 2 * 3 + 1 s in one forward, timeout=3.
+    ended = run_processes(JOB, 3, "late", "3", timeout=120)
+    for process in ended:
+        assert process.code == 1, (process.rank, process.code, process.stderr[-2000:])
+        result = report(process)
+        assert result["failed_rank"] == 1 and result["stage"] == 1, result
+        if process.rank == 1:
+            # before: "rank 2 (stage 2) is gone ... crashed or was killed": gloo had closed
+            # the connection when rank 2's own receive timed out
+            assert "rank 2 (stage 2) gave up waiting for this rank" in result["text"], result
+            assert "raise AsyncPipe(timeout=...)" in result["text"], result
+        else:
+            assert "rank 1 (stage 1) sent nothing" in result["text"], result
+
+
+def test_a_worker_name_torch_refuses_is_refused_on_every_rank_at_once() -> None:
+    # before: rank 0 raised torch's own error, rank 1 a store timeout after init's timeout
+    for process in run_processes(JOB, 2, "badname", "10", timeout=60):
+        assert process.code == 0, (process.rank, process.stderr[-2000:])
+        result = report(process)
+        assert result["type"] == "ValueError", result
+        assert "worker_map[0] = 'tr ainer' is no RPC worker name" in result["text"], result
+        assert process.seconds < 30, process.seconds
+
+
+def test_a_step_after_shutdown_over_rpc_names_this_ranks_rpc_not_a_peer() -> None:
+    for process in run_processes(JOB, 3, "after_shutdown", "10", "rpc", timeout=120):
+        assert process.code == 1, (process.rank, process.code, process.stderr[-2000:])
+        result = report(process)
+        # before: "rank 0 (stage 0) is gone ... crashed or was killed (RPC has not been ...)"
+        assert f"RPC is not running on rank {process.rank}" in result["text"], result
+        assert "is gone" not in result["text"] and result["failed_rank"] == process.rank, result

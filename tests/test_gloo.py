@@ -7,6 +7,7 @@ import torch
 from gloo_workers import (
     check_errors,
     check_failed_constructor,
+    check_two_pipelines,
     directions,
     dropout,
     early_tensors,
@@ -24,6 +25,7 @@ from gloo_workers import (
     scalar_boundary,
     settle,
     transparency,
+    two_pipelines,
     varying_shapes,
 )
 from spawn import run_ranks
@@ -280,3 +282,7 @@ def test_lazily_conjugated_or_negated_tensors_cross(transport: str) -> None:
         assert len(errors) == 16, (rank, errors)
         for case, error in errors.items():
             assert error < 1e-5, (rank, case, error)
+
+
+def test_two_pipelines_on_one_group_never_take_each_others_messages() -> None:
+    check_two_pipelines(run_ranks(two_pipelines, 2, "p2p", timeout=120))

@@ -741,3 +741,24 @@ def test_a_complex_input_gets_its_gradient(schedule: str) -> None:
     torch.testing.assert_close(a.grad, plain.grad)
     for got, want in zip(grads_of(list(model.parameters())), want_grads, strict=True):
         torch.testing.assert_close(got, want)
+
+
+def test_a_rank_too_slow_for_the_timeout_is_told_which_rank_timed_out_waiting_for_it() -> None:
+    """Rank 1 calls step after rank 0 gave up waiting for it: rank 1's step runs (its
+    messages were there) and the news tells it that rank 0 timed out waiting for it. Before,
+    rank 1 read a failure of its own with no cause ("stage 1 failed in 1B0 ... on rank 1 (see
+    that rank's error for the cause)")."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+
+    def fn(rank: int, transport: Transport) -> Any:
+        pipe = AsyncPipe(model, [1, 1], chunks=2, transport=transport, timeout=1.0)
+        if rank == 1:
+            time.sleep(2.0)
+        return pipe.step(x, y, mse)
+
+    (_, waited), (_, late) = run_threads(fn, 2, timeout=60)
+    assert isinstance(waited, StageFailure) and "rank 1 (stage 1) sent nothing" in str(waited)
+    assert isinstance(late, StageFailure) and (late.rank, late.stage) == (1, 1)
+    assert "rank 0 timed out waiting for this rank (rank 1, stage 1) in 1B0" in str(late), late
+    assert "slower than the pipeline's timeout=1 s" in str(late), late

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from gloo_workers import check_errors, check_failed_constructor
+from gloo_workers import check_errors, check_failed_constructor, check_two_pipelines, two_pipelines
 from rpc_workers import (
     driver,
     driver_dies,
@@ -152,3 +152,8 @@ def test_a_driver_built_on_every_rank_names_the_workers_that_never_served() -> N
     kind, text = results[0][1]
     assert kind == "RuntimeError" and "rank 1: worker1 did not answer" in text, text
     assert "must call asyncpipe.rpc.serve()" in text, text
+
+
+def test_rpc_two_pipelines_in_one_job_never_take_each_others_messages() -> None:
+    # before: every pipeline over RPC used the mailbox "pipe"
+    check_two_pipelines(run_ranks(two_pipelines, 2, "rpc", timeout=120))

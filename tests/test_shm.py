@@ -7,7 +7,15 @@ import sys
 import pytest
 import torch
 from gloo_workers import check_errors, every_schedule, failure
-from shm_workers import messages, peer_dies, set_up_errors, spill, transports_differ, two_bw
+from shm_workers import (
+    after_shutdown,
+    messages,
+    peer_dies,
+    set_up_errors,
+    spill,
+    transports_differ,
+    two_bw,
+)
 from spawn import run_ranks, run_ranks_raw
 
 from tests.test_2bw import batches, delayed_reference, model
@@ -113,3 +121,9 @@ def test_a_failing_stage_reaches_every_rank_over_shm() -> None:
     for rank, (kind, text, stage, microbatch, _, seconds) in enumerate(results):
         assert kind == "StageFailure" and stage == 1 and microbatch == 1, (rank, text)
         assert seconds < 30
+
+
+def test_a_step_after_shutdown_is_refused_as_over_p2p() -> None:
+    for kind, text in run_ranks(after_shutdown, 2, timeout=90):  # before: it ran
+        assert kind == "StageFailure", (kind, text)
+        assert "the process group of this pipeline was destroyed" in text, text

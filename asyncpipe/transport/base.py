@@ -110,6 +110,10 @@ class Transport(abc.ABC):
         with contextlib.suppress(TransportTimeout, ConnectionError):
             self.flush(timeout)
 
+    def check(self) -> None:  # noqa: B027 - optional hook
+        """Raise a RuntimeError if this transport can carry no more messages (e.g. its process
+        group was destroyed). The runtime calls it as each step begins: it must be cheap."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources (pending messages are dropped)."""
 

@@ -10,6 +10,9 @@ and tensors in one message::
     separate   tag 3c     [ header ]            (first time, or when it grew)
                tag 3c+1   [ tensor 0 ] [ tensor 1 ] ...
 
+(plus the pipeline's first tag, which keeps the messages of pipelines sharing a process group
+apart: see :data:`CHANNELS`)
+
 Sender and receiver keep the same record of sizes per slot, so both agree on whether a message
 fits. A packed buffer is reused for a later message once its send has completed. A receive
 posted where the channel's last packed message would fit again makes that message's tensor views
@@ -59,6 +62,15 @@ __all__: list[str] = []
 
 _CLOSED = re.compile(r"closed|reset by peer|broken pipe|refused", re.IGNORECASE)
 """What the backends' errors say when the connection to a peer is gone."""
+
+CHANNELS = 1 << 21
+"""Channels of one pipeline: its plan's (below ``2**20``) and the runtime's own just above.
+Pipeline ``n`` on a process group sends channel ``c`` with tags from ``3 * (n * CHANNELS +
+c)``, so two pipelines on one group never take each other's messages."""
+
+PIPELINES = 256
+"""Pipelines numbered apart on one group (then the numbers wrap): gloo's tags are 32-bit
+signed integers, and ``3 * PIPELINES * CHANNELS`` stays below ``2**31``."""
 
 _SPARE_BUFFERS = 32
 """Packed buffers of one size kept for reuse once their sends completed (a fresh buffer's
@@ -130,6 +142,10 @@ class P2PTransport(GroupTransport):
             as ``group``. Created here when not given, which is collective over the whole
             world: with several pipelines (data parallelism), create one per pipeline on every
             rank and pass it.
+        pipeline: the number of this pipeline among those on ``group`` (the same on every
+            rank): pipelines with different numbers keep their messages apart (their tags
+            differ). ``AsyncPipe`` numbers the pipelines it builds by name in the order every
+            rank builds them.
 
     Example:
         >>> transport = P2PTransport()  # doctest: +SKIP
@@ -141,6 +157,7 @@ class P2PTransport(GroupTransport):
         device: torch.device | None = None,
         ordered: bool | None = None,
         down_group: dist.ProcessGroup | None = None,
+        pipeline: int = 0,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError(
@@ -148,6 +165,8 @@ class P2PTransport(GroupTransport):
                 "launch with torchrun, e.g. torchrun --standalone --nproc-per-node=2 train.py"
             )
         self._join(group)
+        self.tags = 3 * CHANNELS * (pipeline % PIPELINES)
+        """The first tag of this pipeline's messages (see :data:`CHANNELS`)."""
         self.device = device or torch.device("cpu")
         nccl = dist.get_backend(group) == "nccl"
         self.ordered = nccl if ordered is None else ordered
@@ -283,7 +302,9 @@ class P2PTransport(GroupTransport):
     def send(self, dst: int, channel: int, message: Message) -> None:
         key = (dst, channel, message.microbatch)
         if message.error is not None:  # the text rides in the header: one message
-            self._isend(error_header(message).view(torch.uint8).to(self.wire), key, 3 * channel)
+            self._isend(
+                error_header(message).view(torch.uint8).to(self.wire), key, self.tags + 3 * channel
+            )
             self._sent.pop(key, None)  # the pipeline fails: no stand-ins (see wait)
             return
         # The receive of this slot has early buffers of these sizes (see _Lane) when the
@@ -294,7 +315,9 @@ class P2PTransport(GroupTransport):
         fields, layout = self._layout(message, payload)
         total = fields[5]
         if total <= self.capacity.get(key, HEADER_BYTES):  # packing is for gloo: host memory
-            self._isend(self._pack(fields, layout, payload), key, 3 * channel, plain=True)
+            self._isend(
+                self._pack(fields, layout, payload), key, self.tags + 3 * channel, plain=True
+            )
             if record is not None:
                 self._stand_ins(key, record)
                 del self._sent[key]
@@ -309,11 +332,12 @@ class P2PTransport(GroupTransport):
         self.grow(key, total)
         header = torch.zeros(HEADER_SIZE, dtype=torch.int64)
         header[: len(fields)] = torch.tensor(fields)
-        self._isend(header.view(torch.uint8).to(self.wire), key, 3 * channel)
+        tag = self.tags + 3 * channel
+        self._isend(header.view(torch.uint8).to(self.wire), key, tag)
         if not early:
             self._stand_ins(key, record)
         for tensor in tensors:
-            self._isend(tensor, key, 3 * channel + (2 if early else 1))
+            self._isend(tensor, key, tag + (2 if early else 1))
         self.remember(self._sent, key, sizes, total)
 
     def _stand_ins(self, key: tuple[int, int, int], record: list[int] | None) -> None:
@@ -321,7 +345,7 @@ class P2PTransport(GroupTransport):
         for _ in record or ():
             if self._stand_in is None:
                 self._stand_in = torch.zeros(1, dtype=torch.uint8, device=self.wire)
-            self._isend(self._stand_in, key, 3 * key[1] + 2)
+            self._isend(self._stand_in, key, self.tags + 3 * key[1] + 2)
 
     def remember(
         self,

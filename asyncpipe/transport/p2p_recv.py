@@ -141,9 +141,10 @@ class _Lane:
 class _P2PRecv(PendingRecv):
     def __init__(self, transport: P2PTransport, src: int, channel: int, slot: int) -> None:
         self.transport, self.src, self.channel, self.slot = transport, src, channel, slot
+        self.tag = transport.tags + 3 * channel  # the channel's tags: this pipeline's
         capacity = transport.capacity.get((src, channel, slot), HEADER_BYTES)
         self.buffer = torch.empty(capacity, dtype=torch.uint8, device=transport.wire)
-        self.work: dist.Work | None = transport.irecv(self.buffer, src, 3 * channel)
+        self.work: dist.Work | None = transport.irecv(self.buffer, src, self.tag)
         # A slot whose last message was large: the next one's tensors are received into
         # buffers of that message's sizes, posted before the header comes (see _Lane).
         key = (src, channel, slot)
@@ -191,7 +192,7 @@ class _P2PRecv(PendingRecv):
         assert self.record is not None and self.early is None
         transport = self.transport
         self.early = [torch.empty(n, dtype=torch.uint8, device=transport.wire) for n in self.record]
-        tag = 3 * self.channel + 2
+        tag = self.tag + 2
         self.early_works = [transport.irecv(buffer, self.src, tag) for buffer in self.early]
 
     def _take_early(self, timeout: float, what: str) -> list[Tensor]:
@@ -230,7 +231,7 @@ class _P2PRecv(PendingRecv):
             raise RuntimeError(
                 f"rank {transport.rank} got a message from rank {self.src} whose tensors were "
                 f"sent to buffers it never posted: the two ranks' records of channel "
-                f"{self.channel} differ (are two pipelines sharing the same process group?)"
+                f"{self.channel} differ (did the ranks run different pipelines?)"
             )
         if self.record is not None and kind != EARLY:
             self._take_early(timeout, what)  # stand-ins: the tensors did not fit or go packed
@@ -256,7 +257,7 @@ class _P2PRecv(PendingRecv):
                     tensors.append(None)
                     continue
                 buffer = torch.empty(shape, dtype=DTYPES[code], device=transport.wire)
-                works.append(transport.irecv(buffer, self.src, 3 * self.channel + 1))
+                works.append(transport.irecv(buffer, self.src, self.tag + 1))
                 tensors.append(buffer)
             for work in works:
                 self._wait(work, timeout, what)

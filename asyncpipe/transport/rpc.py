@@ -203,7 +203,9 @@ class RPCTransport(Transport):
             workers 0..N-1, as ``asyncpipe.init(rpc=True, worker_map=...)`` gave them, by
             default ``"worker{rank}"``).
         name: keeps the messages of several pipelines in one job apart (one name per pipeline,
-            the same on every rank).
+            the same on every rank). ``AsyncPipe(..., transport="rpc")`` names its transport
+            ``"pipe{n}"``, ``n`` being the pipelines the process built before it on the same
+            process group (compared across the ranks).
 
     Example:
         >>> import asyncpipe                                          # doctest: +SKIP

@@ -300,6 +300,12 @@ class ShmTransport(GroupTransport):
         """The pipeline's process group (used only to set up, and by collectives)."""
         return self._group()
 
+    def check(self) -> None:
+        """Raise once the process group is destroyed (``asyncpipe.shutdown()``): the rings
+        would still carry messages, but a pipeline runs on its group, as over p2p (see
+        :class:`~asyncpipe.group.GroupRef`)."""
+        self._group()
+
     # -- sending -----------------------------------------------------------------------------
 
     def _frame(self, channel: int, message: Message) -> _Frame:
