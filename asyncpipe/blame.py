@@ -129,14 +129,12 @@ class FailureBlame:
 
     def _heard_from(self, peer: int) -> None:
         """Note that a message from rank ``peer`` came just now (see :meth:`_gave_up`)."""
-        heard = self.__dict__.setdefault("_heard", {})
-        heard[peer] = heard[-1] = time.monotonic()
+        self._heard[peer] = self._heard[-1] = time.monotonic()
 
     def _silence(self, peer: int) -> float | None:
         """Seconds since a message last came from rank ``peer`` (from any rank, if none came
         from it yet); None before any came."""
-        heard: dict[int, float] = self.__dict__.get("_heard", {})
-        last = heard.get(peer, heard.get(-1))
+        last = self._heard.get(peer, self._heard.get(-1))
         return None if last is None else time.monotonic() - last
 
     def _gave_up(

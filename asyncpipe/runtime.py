@@ -92,6 +92,7 @@ class Runtime(FailureBlame, Compute):
         self._plans: dict[tuple[int, bool], tuple[list[Action], frozenset[tuple[int, int]]]] = {}
         self._settle: dict[tuple[int, bool], dict[Action, list[Action]]] = {}
         self._statuses: dict[int, PendingRecv] = {}
+        self._heard: dict[int, float] = {}
         self.after_backward: Callable[[], None] | None = None
         """Called right after this rank's last backward action of a training step (e.g. to
         start averaging gradients while the rest of the pipeline finishes)."""

@@ -21,6 +21,7 @@ class Blame(FailureBlame):
 
     def __init__(self) -> None:
         self.rank, self.owners, self.timeout, self._statuses = 1, [0, 1, 2], 2.0, {}
+        self._heard = {}
 
     def channel(self, action: Action) -> tuple[int, int]:
         assert action.peer is not None
@@ -30,7 +31,7 @@ class Blame(FailureBlame):
 def blame(error: Exception, current: str, heard: float | None) -> Failed:
     runtime = Blame()
     if heard is not None:  # seconds ago a message from rank 2 came
-        runtime.__dict__["_heard"] = {2: time.monotonic() - heard, -1: time.monotonic() - heard}
+        runtime._heard = {2: time.monotonic() - heard, -1: time.monotonic() - heard}
     failure = runtime._peer_failure(Action.parse(current), current, error)
     assert failure is not None
     return failure
