@@ -403,12 +403,16 @@ def option_problems(
     return problems
 
 
-def check_step(loss_fn: object, optimizer: object = None, max_norm: object = None) -> None:
-    """What ``step()`` needs on every rank, whatever the schedule."""
+def check_step(
+    loss_fn: object, optimizer: object = None, max_norm: object = None, *, stepped: bool = True
+) -> None:
+    """What ``step()`` needs on every rank, whatever the schedule. ``stepped=False``: this rank
+    has nothing to step (2BW on a rank without parameters), so ``max_norm`` needs no optimizer
+    (the rank's share of the norm over every stage is zero)."""
     if max_norm is not None:
         if not _positive_number(max_norm):
             raise ValueError(f"max_norm must be a positive number (got {max_norm!r})")
-        if optimizer is None:
+        if optimizer is None and stepped:
             raise ValueError(
                 "max_norm clips the gradient just before step() steps the optimizer, so it "
                 "needs one: pass optimizer=optimizer too, or call pipe.clip_grad_norm_(max_norm) "

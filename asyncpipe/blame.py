@@ -242,9 +242,10 @@ class FailureBlame:
         return error
 
     def _check_error(self, message: Message, action: Action) -> None:
-        self._heard_from(self.channel(action)[0])
+        peer = self.channel(action)[0]
+        self._heard_from(peer)
         if message.error is not None:
-            failure = Failed.decode(message.error, self.channel(action)[0])
+            failure = Failed.decode(message.error, peer)
             failure.text += f" (reported to rank {self.rank} while it waited in {action})"
             raise failure
 

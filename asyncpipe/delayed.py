@@ -61,13 +61,11 @@ class DelayedUpdates:
         self._guard()
         make = self._prepare(input, target, loss_fn, train=True)
 
-        stream = self._stream
-        # A rank without parameters has no optimizer to pass (torch refuses an empty one); its
-        # max_norm still counts, as its share of the norm over every stage (zero).
-        stand_in = optimizer if optimizer is not None or stream.versions.params else "none"
+        # A rank without parameters has no optimizer to pass (torch refuses an empty one)
+        stepped = bool(self._stream.versions.params)
 
         def prepare(microbatches: int | None) -> Work:  # where a rejection reaches every rank
-            check_step(loss_fn, stand_in, max_norm)
+            check_step(loss_fn, optimizer, max_norm, stepped=stepped)
             return make(microbatches)
 
         window = window_name("steady" if self._stream.in_flight else "first", self.lookahead)
