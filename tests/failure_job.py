@@ -3,8 +3,8 @@
 Run as ``python failure_job.py MODE TIMEOUT [TRANSPORT]`` on ranks set up like torchrun's (see
 ``launch.run_processes``; the transport is p2p by default); MODE is forward, backward, loss,
 optimizer, kill, sleep, exit (rank 0 ends its process between two steps) or late_send (forward
-under 1F1B, while the last stage's backward of micro-batch 0 takes long enough that stage 1 is
-gone before that backward's gradient is sent to it), late (stage 1 takes twice the timeout in
+under 1F1B, while the last stage's backward of micro-batch 0 waits until stage 1's process has
+ended before that backward's gradient is sent to it), late (stage 1 takes twice the timeout in
 one forward, and every process stays alive), badname (``init(rpc=True)`` with a worker name
 torch refuses) or after_shutdown (a step after ``asyncpipe.shutdown()``). Every rank prints
 one line ``RESULT {json}`` describing how its job ended, then lets the error end the process (a
@@ -17,6 +17,7 @@ import json
 import os
 import signal
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -52,7 +53,7 @@ class Faulty(nn.Module):
         if self.mode == "slow" and self.step == FAILING_STEP and self.calls == 1:
 
             def slow(grad: Tensor) -> Tensor:
-                time.sleep(4)  # the failed stage 1 ends its process meanwhile
+                wait_until_gone(1)  # the failed stage 1 ends its process meanwhile
                 return grad
 
             out.register_hook(slow)
@@ -65,8 +66,34 @@ class Faulty(nn.Module):
         return out
 
 
+def pid_file(rank: int) -> str:
+    return os.path.join(tempfile.gettempdir(), f"failure_job_{os.environ['MASTER_PORT']}_{rank}")
+
+
+def wait_until_gone(rank: int, limit: float = 60.0) -> None:
+    """Wait until rank ``rank``'s process has ended (``limit`` s at most): a fixed sleep let a
+    loaded machine keep that process alive past it, so that this rank's send went through and
+    the job ended another way than the one under test."""
+    with open(pid_file(rank)) as f:
+        pid = int(f.read())
+    os.remove(pid_file(rank))
+    end = time.monotonic() + limit
+    while time.monotonic() < end:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    break  # ended; its parent has not yet collected its exit code
+        except FileNotFoundError:
+            break
+        time.sleep(0.05)
+    time.sleep(0.2)  # the kernel has closed its sockets; let gloo's reader see it
+
+
 def main(mode: str, timeout: float, transport: str = "p2p") -> None:
     rank = int(os.environ["RANK"])
+    if mode == "late_send" and rank == 1:
+        with open(pid_file(rank), "w") as f:
+            f.write(str(os.getpid()))
     torch.manual_seed(0)
     faulty = Faulty("forward" if mode == "late_send" else mode)
     last = Faulty("slow" if mode == "late_send" else "")
