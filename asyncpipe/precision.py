@@ -97,24 +97,39 @@ def drop_(parameters: Iterable[nn.Parameter]) -> None:
 
 def partial_norm(grads: Sequence[Tensor | None], norm_type: float = 2.0) -> float:
     """This rank's part of a norm over every rank: the sum of ``|g| ** p`` (the largest
-    ``|g|`` for the infinity norm)."""
+    ``|g|`` for the infinity norm), in float64, as ``torch.nn.utils.clip_grad_norm_`` counts
+    it: the modulus of a complex gradient, and NaN if any gradient holds one."""
     present = [g for g in grads if g is not None]
     if not present:
         return 0.0
-    if norm_type == math.inf:
-        return float(max(g.abs().max() for g in present))
-    return float(sum(g.double().norm(norm_type) ** norm_type for g in present))
+    device = present[0].device
+    norms = torch.stack([_norm64(g, norm_type).to(device) for g in present])
+    # tensor reductions: Python's max() keeps or drops a NaN depending on where it stands
+    return float(norms.max() if norm_type == math.inf else norms.pow(norm_type).sum())
+
+
+def _norm64(g: Tensor, norm_type: float) -> Tensor:
+    """The ``norm_type``-norm of ``g`` computed in float64 (``.double()`` would drop the
+    imaginary part of a complex ``g``; its norm is taken over ``|g|``)."""
+    dtype = torch.complex128 if g.is_complex() else torch.float64
+    norm: Tensor = torch.linalg.vector_norm(g, norm_type, dtype=dtype)
+    return norm
 
 
 def total_norm(parts: Sequence[float], norm_type: float = 2.0) -> float:
-    """The norm over every rank from each rank's :func:`partial_norm`."""
+    """The norm over every rank from each rank's :func:`partial_norm`; NaN if any part is."""
+    if any(math.isnan(part) for part in parts):
+        return math.nan
     return max(parts) if norm_type == math.inf else float(sum(parts) ** (1.0 / norm_type))
 
 
 def scale_to(grads: Sequence[Tensor | None], max_norm: float, total: float) -> None:
     """Scale ``grads`` in place so that a total norm of ``total`` becomes at most
-    ``max_norm``, as ``torch.nn.utils.clip_grad_norm_`` does."""
-    coefficient = min(max_norm / (total + 1e-6), 1.0)
+    ``max_norm``, as ``torch.nn.utils.clip_grad_norm_`` does (a NaN ``total`` makes them
+    NaN, an infinite one zero and its inf entries NaN, as there)."""
+    coefficient = max_norm / (total + 1e-6)
+    if coefficient > 1.0:  # not min(): a NaN stays NaN, as torch.clamp(max=1.0) keeps it
+        coefficient = 1.0
     for g in grads:
         if g is not None:
             g.mul_(coefficient)
