@@ -158,14 +158,15 @@ class DeferredBatchNorm(_BatchNorm):
         affine: Whether the layer has a learnable per-channel scale and shift.
         chunks: Number of micro-batches per mini-batch. More than ``chunks`` tracked training
             forwards of one use without a :meth:`commit` raise ``RuntimeError``: a missing
-            commit, a recompute outside :func:`paused`, or a layer called several times per
-            micro-batch outside a converted module (see above).
+            commit, a recompute outside :func:`~asyncpipe.batchnorm.paused`, or a layer called
+            several times per micro-batch outside a converted module (see above).
         device: Device of the parameters and buffers.
         dtype: Floating-point type of the parameters and buffers.
 
     Attributes:
         tracking: Whether training forwards fold their statistics into the accumulator. The
-            pipeline switches it off around recomputes with :func:`paused`.
+            pipeline switches it off around recomputes with
+            :func:`~asyncpipe.batchnorm.paused`.
 
     Example:
         >>> import torch
@@ -516,7 +517,8 @@ def paused(modules: nn.Module | Iterable[object]) -> Iterator[None]:
 
 
 def commit_all(modules: nn.Module | Iterable[object]) -> None:
-    """Call :meth:`DeferredBatchNorm.commit` on every DeferredBatchNorm of ``modules``, once each.
+    """Call :meth:`~asyncpipe.DeferredBatchNorm.commit` on every DeferredBatchNorm of
+    ``modules``, once each.
 
     Args:
         modules: A module tree, or an iterable of layers (objects that are not modules are

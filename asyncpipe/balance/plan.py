@@ -389,6 +389,11 @@ def plan(
     Args:
         profile: from :func:`asyncpipe.balance.profile`; its sizes should bracket the
             micro-batch sizes considered.
+        world_size: the processes available: a pipeline of S stages runs on S of them, so
+            the stage counts tried go up to it.
+        batch_size: rows of the mini-batch; a candidate with ``c`` chunks is predicted for
+            micro-batches of ``batch_size / c`` rows (the profile read at that size, see
+            :meth:`~asyncpipe.balance.Profile.at`).
         stages: the stage counts to try, each from 1 to ``world_size`` and at most the number
             of layers.
         chunks: the chunk counts to try, each a divisor of ``batch_size``.
@@ -398,7 +403,16 @@ def plan(
             counted for every micro-batch). A checkpointed micro-batch keeps only its stage's
             input (nothing extra on the first stage, whose inputs are views of the batch), and
             a rank holds one micro-batch's activations at a time while it recomputes;
-            ``"except_last"`` keeps the last micro-batch's activations beside that.
+            ``"except_last"`` keeps the last micro-batch's activations beside that. The
+            default, ``"never"``, is not AsyncPipe's (``"except_last"``): pass the policy the
+            pipeline will run with.
+        link: what a message between stages costs (see :class:`~asyncpipe.balance.Link`);
+            each stage's send is priced by the bytes of its output in the profile. The default
+            fits gloo on loopback.
+        memory_limit: the bytes one rank may use, or ``None`` for no limit. A candidate whose
+            predicted peak on its busiest rank (:attr:`Candidate.memory
+            <asyncpipe.balance.Candidate.memory>`) exceeds it is kept, with ``fits=False``,
+            and ranked after every candidate that fits.
         lookahead: for ``"2bw"``: the lookahead to predict (see
             :func:`~asyncpipe.schedule.two_bw`; ``lookahead=k`` needs ``chunks >= k * (stages
             - 1)``, fewer chunks are left out).

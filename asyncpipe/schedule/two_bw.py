@@ -66,10 +66,12 @@ def window_of(
 def two_bw(stages: int, microbatches: int, batches: int = 3, lookahead: int = 1) -> Plan:
     """PipeDream-2BW over ``batches`` mini-batches of ``microbatches`` each, without a flush
     between them: the 1F1B plan of the whole stream, micro-batch ``i`` of mini-batch ``t``
-    numbered ``t * microbatches + i``. :func:`windows` cuts it into the part each step runs.
+    numbered ``t * microbatches + i``. :func:`~asyncpipe.schedule.two_bw.windows` cuts it into
+    the part each step runs.
 
-    ``lookahead``: rank ``r`` runs ``lookahead * (stages - r - 1)`` forwards before its first
-    backward, so each rank's forwards run ``lookahead`` micro-batches ahead of the next
+    ``lookahead``: rank ``r`` runs ``lookahead * (stages - r - 1)`` warm-up forwards, then one
+    forward and one backward in turn (``lookahead * (stages - r - 1) + 1`` forwards before its
+    first backward), so each rank's forwards run ``lookahead`` micro-batches ahead of the next
     rank's. 1 is 1F1B's spacing: least activation memory (``stages - r`` micro-batches in
     flight on rank ``r``), but in the steady state each pair of neighbours waits for every
     message's latency twice per micro-batch. 2 gives each rank a micro-batch of its own work
@@ -102,9 +104,10 @@ def two_bw(stages: int, microbatches: int, batches: int = 3, lookahead: int = 1)
 def windows(
     plan: Plan, stages: int, microbatches: int, batches: int, lookahead: int = 1
 ) -> dict[int, list[list[Action]]]:
-    """Cut each rank's row of a (lowered or not) :func:`two_bw` plan into ``batches + 1``
-    windows: one per mini-batch, then the drain. A receive goes with the compute action after
-    it, a send with the one before it (where :func:`~asyncpipe.schedule.lower` puts them).
+    """Cut each rank's row of a (lowered or not) :func:`~asyncpipe.schedule.two_bw` plan into
+    ``batches + 1`` windows: one per mini-batch, then the drain. A receive goes with the compute
+    action after it, a send with the one before it (where :func:`~asyncpipe.schedule.lower`
+    puts them).
     ``lookahead``: the one ``plan`` was made with.
 
     Example:
