@@ -408,3 +408,79 @@ def driver_reused_last(rank: int, world: int) -> Any:
         want_output = model(x)
     pipe.shutdown()
     return abs(loss - want_loss), float((output - want_output).abs().max()), refused
+
+
+def _tanh_mse(output: Tensor, target: Tensor) -> Tensor:
+    return mse(torch.tanh(output), target)
+
+
+def driver_refusals(rank: int, world: int) -> Any:
+    """What the driver refuses before it sends anything, and what it no longer sends.
+
+    On a model whose last stage is on rank 0 ([A, B, C, A]), a lambda loss_fn went to every
+    rank and failed to pickle; balance "auto", an int or None, shared weights across stages
+    and lambda LazyModule factories failed on the stages (or in a raw pickling or iteration
+    error) with messages that did not fit RemotePipe; a batch the stages could not split
+    broke the pipeline for every later call. Returns, by case, what each call gave (kind,
+    text) and how many remote calls it made, and the losses to compare with the plain
+    model's."""
+    import torch.distributed.rpc as rpc
+
+    asyncpipe.init(rpc=True)
+    if rank != 0:
+        asyncpipe.rpc.serve()
+        return None
+    torch.manual_seed(0)
+    a = nn.Linear(8, 8)
+    model = nn.Sequential(a, nn.Tanh(), nn.Linear(8, 8), a)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    seen: dict[str, Any] = {"want": reference(model, x, y, 2, _tanh_mse)[0]}
+    calls: list[str] = []
+    real = rpc.rpc_async
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append(str(args[0]))
+        return real(*args, **kwargs)
+
+    def attempt(case: str, call: Any) -> None:
+        calls.clear()
+        rpc.rpc_async = counting
+        try:
+            seen[case] = ("returned", call(), len(calls))
+        except Exception as e:
+            seen[case] = (type(e).__name__, str(e), len(calls))
+        finally:
+            rpc.rpc_async = real
+
+    def build(module: Any, balance: Any, **kwargs: Any) -> str:
+        asyncpipe.rpc.RemotePipe(module, balance, chunks=2, timeout=30, **kwargs)
+        return "built"
+
+    attempt("auto", lambda: build(model, "auto", sample=x[:4]))
+    attempt("int", lambda: build(model, 2))
+    attempt("none", lambda: build(model, None))
+    attempt("shared", lambda: build(mlp(4), [2, 2], shared_weights=[("0.0.weight", "3.0.weight")]))
+    lazy = [LazyModule(lambda: nn.Linear(8, 8)) for _ in range(4)]
+    attempt("lazy", lambda: build([nn.Linear(8, 8), *lazy[1:]], [2, 2]))
+    tied = asyncpipe.rpc.RemotePipe(  # shared weights on one stage are kept equal there
+        mlp(4),
+        [2, 2],
+        chunks=2,
+        timeout=30,
+        shared_weights=[("0.0.weight", "1.0.weight")],
+        optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+    )
+    tied.step(x, y, mse)
+    tied.optimizer_step()
+    state = tied.state_dict()
+    seen["tied"] = torch.equal(state["0.0.weight"], state["1.0.weight"])
+    tied.close()
+    pipe = asyncpipe.rpc.RemotePipe(model, [2, 2], chunks=2, timeout=30)
+    seen["last_rank"] = pipe.pipe.last_rank
+    attempt("lambda", lambda: pipe.step(x, y, lambda out, target: _tanh_mse(out, target)))
+    attempt("list", lambda: pipe.step([1.0, 2.0], y, _tanh_mse))
+    attempt("rows", lambda: pipe.step(x, y[:1], _tanh_mse))
+    attempt("forward", lambda: pipe([1.0]))
+    attempt("after", lambda: pipe.step(x, y, _tanh_mse))
+    pipe.shutdown()
+    return seen

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import pickle
 import re
 import time
 import warnings
@@ -20,23 +19,11 @@ from ..failure import StageFailure
 from ..lazy import LazyModule
 from ..transport.rpc import error_line, worker_names
 from . import stage as remote
+from .checks import check_batch, check_remote, sendable
 
 __all__: list[str] = []
 
 _names = itertools.count()
-
-
-def _sendable(fn: Callable[..., Any], what: str) -> None:
-    """Raise a TypeError with the fix if ``fn`` cannot travel to another process (RPC pickles
-    functions by reference: a lambda or a function defined inside another cannot)."""
-    try:
-        pickle.dumps(fn)
-    except Exception as e:
-        raise TypeError(
-            f"{what} is sent to other processes, so it must be picklable: a module-level "
-            f"function, or a functools.partial of one, not a lambda or a function defined "
-            f"inside another ({type(e).__name__}: {e})"
-        ) from e
 
 
 class RemotePipe:
@@ -50,21 +37,33 @@ class RemotePipe:
     Args:
         module: an ``nn.Sequential`` or a list of modules / ``LazyModule`` (sent to every
             worker, so a LazyModule's function must be picklable: a module-level function or a
-            ``functools.partial``, not a lambda).
-        balance: layers per stage, one entry per process.
+            ``functools.partial``, not a lambda; the driver checks every layer before it
+            sends anything and names the positions that are not).
+        balance: layers per stage, a list of positive ints with one entry per process (per
+            model chunk with ``virtual_stages``). ``"auto"`` is refused: the stages of a
+            ``RemotePipe`` do not share a profile over the process group, so find a balance
+            on the driver, which holds the model, with :func:`asyncpipe.balance.by_time`.
         worker_map: the RPC worker name of each rank (default: the names RPC was started
             with, ``asyncpipe.init(rpc=True, worker_map=...)``'s, by default
             ``"worker{rank}"``).
         optimizer: a picklable factory ``params -> Optimizer`` (e.g.
             ``functools.partial(torch.optim.SGD, lr=0.1)``) built on every stage.
         **kwargs: what ``AsyncPipe`` takes besides ``transport`` (chunks, checkpoint,
-            schedule, ...), but ``schedule="2bw"``, whose updates need each stage's
-            optimizer inside the step, and ``data_parallel_size`` (run ``AsyncPipe`` on every
-            rank for either).
+            schedule, ...), picklable, but ``schedule="2bw"``, whose updates need each
+            stage's optimizer inside the step, ``data_parallel_size``, and
+            ``shared_weights`` whose parameters are on several stages (their gradients are
+            summed with collectives of the process group, which RemotePipe's stages do not
+            use; a group on one stage is kept equal there); run ``AsyncPipe`` on every rank
+            for any of these.
 
     Raises:
         RuntimeError: on any rank but 0, or when RPC is not running.
-        ValueError: ``transport``, ``schedule="2bw"`` or ``data_parallel_size`` given.
+        TypeError: ``balance`` not a list of ints, or a layer, keyword argument or the
+            optimizer factory that cannot be pickled.
+        ValueError: ``transport``, ``schedule="2bw"``, ``data_parallel_size``, a string or
+            bad entries in ``balance``, or shared weights across stages given (every
+            problem at once, before anything is sent; a ``TypeError`` when all are type
+            problems); or a stage that failed to build on its worker.
 
     Example:
         >>> asyncpipe.init(rpc=True)                                   # doctest: +SKIP
@@ -101,23 +100,8 @@ class RemotePipe:
                 f"RemotePipe is the controller and is built on rank 0 only (this is rank "
                 f"{me.id}); the other ranks call asyncpipe.rpc.serve()"
             )
-        if "transport" in kwargs:
-            raise ValueError("RemotePipe always uses the rpc transport; drop transport=")
-        if kwargs.get("schedule") == "2bw":
-            raise ValueError(
-                "RemotePipe does not run schedule='2bw' (its updates are applied inside each "
-                "step, with the stage's optimizer); run AsyncPipe(..., schedule='2bw') on every "
-                "rank instead, or pick another schedule"
-            )
-        if kwargs.get("data_parallel_size", 1) != 1:
-            raise ValueError(
-                "RemotePipe drives one pipeline over every rank and does not replicate it "
-                "(data_parallel_size must be 1); for data parallelism run AsyncPipe(..., "
-                "data_parallel_size=N) on every rank"
-            )
         world = dist.get_world_size()
-        if optimizer is not None and world > 1:
-            _sendable(optimizer, "the optimizer factory")
+        check_remote(module, balance, kwargs, optimizer, world)
         known = worker_names() if worker_map is None else worker_map
         self.workers = {r: known.get(r, f"worker{r}") for r in range(world)}
         if self.workers[0] != me.name:
@@ -223,26 +207,43 @@ class RemotePipe:
             >>> counts = pipe.foreach_worker(count_parameters)         # doctest: +SKIP
         """
         if self.stages > 1:
-            _sendable(fn, "the function of foreach_worker")
+            sendable(fn, "the function of foreach_worker")
         return self._each(fn, lambda r: args)
 
     # ----- the training loop ------------------------------------------------------------------
 
     def step(self, input: object, target: object, loss_fn: Callable[..., Tensor]) -> float:
         """Forward and backward of one mini-batch on every stage; returns the mean loss.
-        ``loss_fn`` is sent to the last stage, so it must be picklable."""
+
+        ``input`` and ``target`` follow ``AsyncPipe.step``'s rule (a tensor or a tuple of
+        tensors, the target split into as many micro-batches as the input, or None): the
+        driver checks them before it sends anything, so a refused batch leaves the pipeline
+        usable. ``loss_fn`` is sent to
+        the last stage alone, so it must be picklable where that stage is on another rank (a
+        lambda is fine where it is the driver's own).
+
+        Example:
+            >>> loss = pipe.step(x, y, torch.nn.functional.mse_loss)      # doctest: +SKIP
+        """
         first, last = self.pipe.first_rank, self.pipe.last_rank  # a reused layer may end it
+        check_batch(input, target, self.pipe.chunks)
         if last > 0:
-            _sendable(loss_fn, "loss_fn")
+            sendable(loss_fn, "loss_fn")
         losses = self._each(
             remote.step,
-            lambda r: (input if r == first else None, target if r == last else None, loss_fn),
+            lambda r: (
+                input if r == first else None,
+                target if r == last else None,
+                loss_fn if r == last else remote.no_loss,
+            ),
         )
         return float(losses[0])
 
     def forward(self, input: object) -> Any:
-        """Inference through the pipeline; returns the last stage's output on the driver."""
+        """Inference through the pipeline; returns the last stage's output on the driver.
+        ``input`` is checked as :meth:`step` checks it, before anything is sent."""
         first = self.pipe.first_rank
+        check_batch(input, None, self.pipe.chunks)
         outputs = self._each(remote.forward, lambda r: (input if r == first else None,))
         return outputs[self.pipe.last_rank]
 

@@ -135,6 +135,13 @@ def step(pipe: AsyncPipe, input: Any, target: Any, loss_fn: Any) -> float:
     return pipe.step(input, target, loss_fn)
 
 
+def no_loss(output: Any, target: Any) -> Any:
+    """The loss function of every stage but the last: only the last computes the loss, and
+    the driver sends the user's function there alone (where it is the driver's own stage, a
+    lambda never has to be pickled); ``AsyncPipe.step`` wants a callable on every rank."""
+    raise RuntimeError("only the last stage computes the loss (the driver sent it loss_fn)")
+
+
 def close(pipe: AsyncPipe) -> None:
     pipe.close()
 
