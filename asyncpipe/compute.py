@@ -27,7 +27,7 @@ from .recompute import RNGState, checkpointed
 from .schedule import Action
 from .skip.routes import SkipRoutes
 from .skip.tracker import SkipTracker, use
-from .split import input_backward, run_cut, weight_backward
+from .split import Reaches, input_backward, run_cut, weight_backward
 from .work import Grads, Skips, Work, leaves, unwrap
 
 __all__: list[str] = []
@@ -60,6 +60,8 @@ class Compute:
     _layer_modules: dict[int, list[torch.nn.Module]] | None = None
     """By segment: every module in its layers, whose training flags a checkpointed forward
     saves for its recompute (listed at the first)."""
+    _reaches: Reaches | None = None
+    """What each run of layers' first split backward learned from its graph (see ``split``)."""
 
     def _segment_modules(self, seg: int) -> list[torch.nn.Module]:
         """Every module of segment ``seg``'s layers, once (listed at the first call: the
@@ -257,13 +259,15 @@ class Compute:
                     f"parameters that require grad"
                 )
             if split:
+                # A plain backward of the loss alone: its graph starts at leaves of the
+                # outputs, whose gradients it leaves in them (None where the loss read no
+                # part, as of a tuple (logits, aux)), and its own leaves (a learnable
+                # parameter of loss_fn) get theirs, as the plain model's backward gives them.
+                # retain_graph: a loss that reads a tensor a layer kept goes into that
+                # layer's graph, which B and W go through later (see split's ``_arrived``).
                 heads = work.loss_inputs.pop(i)
-                wanted = [h for h in heads if h.requires_grad]
-                # allow_unused: a loss may read part of a tuple output (logits, aux)
-                found = dict(
-                    zip(map(id, wanted), torch.autograd.grad(loss, wanted, allow_unused=True))
-                )
-                given = tuple(found.get(id(h)) for h in heads)
+                torch.autograd.backward(loss, retain_graph=True)
+                given = tuple(h.grad for h in heads)
             else:
                 roots, grads = [loss], [None]
         else:
@@ -279,8 +283,10 @@ class Compute:
                     grads.append(g)
         x_grads: list[Tensor | None]
         if split:
+            if self._reaches is None:
+                self._reaches = {}
             x_grads, work.weights[(seg, i)] = input_backward(
-                work.runs.pop((seg, i)), given, stash_grads
+                work.runs.pop((seg, i)), given, stash_grads, self._reaches
             )
             skip_grads = stash_grads  # now: the gradients of the skips popped here
         else:
