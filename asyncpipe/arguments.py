@@ -27,6 +27,7 @@ from .schedule import (
     stage_owners,
     validate,
 )
+from .skip.routes import SkipRoutes, describe_routes
 from .trace import TraceWriter
 from .transport import Transport, TransportTimeout
 
@@ -445,16 +446,27 @@ def world_mismatch(world: int, entries: int, virtual_stages: int) -> str:
 
 
 def agree(
-    exchange: Callable[[list[float]], list[list[float]]], rank: int, fields: dict[str, object]
-) -> None:
+    exchange: Callable[[list[float]], list[list[float]]],
+    rank: int,
+    fields: dict[str, object],
+    *,
+    extra: float = 0.0,
+    rule: str = "every rank of the pipeline must build AsyncPipe with the same arguments",
+    fix: str = "pass the same values on every rank",
+) -> list[float]:
     """Check that every pipeline rank built ``AsyncPipe`` with the same ``fields`` (name ->
     value): one small exchange of a checksum per field, before any step. Ranks that disagree
     would otherwise run different plans (a wrong loss without an error, or a wait until the
     timeout that blames a peer). Raises ValueError naming each field that differs and the
-    ranks it differs on, or a StageFailure naming the rank whose stage failed to build (it
-    sent its error instead, see :func:`~asyncpipe.runtime.refuse_exchange`)."""
+    ranks it differs on (after the ``rule`` they broke, before the ``fix``), or a StageFailure
+    naming the rank whose stage failed to build (it sent its error instead, see
+    :func:`~asyncpipe.runtime.refuse_exchange`).
+
+    Returns:
+        every rank's ``extra`` (index = rank): a value that travels in the same exchange and
+        is not compared, e.g. whether that rank saw a skip connection."""
     names = list(fields)
-    mine = [float(zlib.crc32(repr(fields[name]).encode())) for name in names]
+    mine = [float(zlib.crc32(repr(fields[name]).encode())) for name in names] + [extra]
     try:
         table = exchange(mine)
     except StageFailure as e:  # that rank's constructor failed after connecting
@@ -483,11 +495,39 @@ def agree(
             f"{', '.join(map(str, peers))})"
             for name, peers in differ.items()
         )
-        raise ValueError(
-            f"every rank of the pipeline must build AsyncPipe with the same arguments, and "
-            f"rank {rank}'s differ from other ranks' in: {found}; pass the same values on "
-            f"every rank"
-        )
+        raise ValueError(f"{rule}, and rank {rank}'s differ from other ranks' in: {found}; {fix}")
+    return [row[len(names)] for row in table]
+
+
+def agree_routes(
+    exchange: Callable[[list[float]], list[list[float]]],
+    rank: int,
+    routes: SkipRoutes | None,
+    find: Callable[[], SkipRoutes],
+    refuse: Callable[[str], None],
+) -> SkipRoutes:
+    """Some rank of the pipeline saw a skip connection (:func:`agree` told every rank): find
+    the routes of the skips where this rank has not yet (``routes`` is None: its layers showed
+    none, so ``find`` builds the other ranks' LazyModules on the meta device), then check in one
+    more exchange that every rank found the same. A rank that cannot find them sends its error
+    instead (``refuse``, see :func:`~asyncpipe.runtime.refuse_exchange`) and raises it; the
+    others raise a StageFailure naming that rank, at once."""
+    if routes is None:
+        try:
+            routes = find()
+        except Exception as e:
+            refuse(f"{type(e).__name__}: {e}")
+            raise
+    agree(
+        exchange,
+        rank,
+        {"skip routes": describe_routes(routes)},
+        rule="every rank of the pipeline must find the same skip connections",
+        fix="a LazyModule's function must declare the same skips (in namespaces created "
+        "outside it) when its owner builds it and when the other ranks build it on the meta "
+        "device",
+    )
+    return routes
 
 
 def same_everywhere(

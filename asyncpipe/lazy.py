@@ -13,8 +13,17 @@ class LazyModule:
     """A layer that is not built until the rank that owns it asks for it.
 
     Pass a list of these instead of an ``nn.Sequential`` so that each process only builds (and
-    allocates memory for) the layers of its own stage. Reusing one ``LazyModule`` object at
-    several positions of the list reuses one layer (shared weights), like reusing a module.
+    allocates memory for) the layers of its own stage: ``AsyncPipe`` calls the function once,
+    on the rank that owns the layer, and no other rank calls it. Reusing one ``LazyModule``
+    object at several positions of the list reuses one layer (shared weights), like reusing a
+    module.
+
+    With skip connections (:mod:`asyncpipe.skip`) in the model, the other ranks must also know
+    the skips of the layers they do not own: each calls the function of every other rank's
+    ``LazyModule`` once, under ``torch.device("meta")`` (no tensor memory, no random numbers;
+    warnings silenced), only to read the layer's skip declarations. Such a function must then
+    run on the meta device (read no tensor values); pass a layer whose function cannot as a
+    module. A model without skips never does this.
 
     Example:
         >>> import torch

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from .arguments import (
     agree,
+    agree_routes,
     check_arguments,
     check_step,
     option_problems,
@@ -32,7 +33,7 @@ from .precision import LossScaler, clip_norm
 from .runtime import Runtime, refuse_exchange
 from .schedule import Action, Plan
 from .shared import SharedWeights, find_shared
-from .skip.routes import find_routes
+from .skip.routes import SkipRoutes, find_routes, has_skips
 from .stream import Stream, check_two_bw_options
 from .trace import TraceWriter
 from .traced import TracedSteps
@@ -55,8 +56,10 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
 
     Args:
         module: an ``nn.Sequential``, or a list of ``nn.Module`` / ``LazyModule`` (built only
-            on the rank that owns it). A layer object listed twice is owned by the stage of its
-            first position and runs there at every position (shared weights).
+            on the rank that owns it; with skip connections, the other ranks build it on the
+            meta device to read its skips, see :doc:`/skips`). A layer object listed twice is
+            owned by the stage of its first position and runs there at every position (shared
+            weights).
         balance: layers per stage, counting positions in ``module`` (a reused layer counts at
             each position); one entry per pipeline rank. ``"auto"``: the pipeline's first
             rank (rank 0 for a transport given by name) finds it with
@@ -210,10 +213,11 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
             if transport.world_size * virtual_stages != len(balance):
                 raise ValueError(world_mismatch(transport.world_size, len(balance), virtual_stages))
             partitions, segments = partition(layers, balance, transport.world_size)
-            routes = find_routes(layers, segments)
             self.partitions: list[Partition] = partitions
             self.segments: list[Segment] = segments
-            self._build_stage(module, layers, deferred_batch_norm)
+            self._build_stage(module, layers, deferred_batch_norm)  # the only build of its own
+            skips = has_skips(layers, list(self.layers))  # no other rank's LazyModule runs here
+            routes = find_routes(layers, segments) if skips else None  # else after agree()
             built = {
                 inv.order: self.layers[inv.this.index] for inv in partitions[self.stage].invocations
             }
@@ -234,17 +238,19 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
             if isinstance(transport, GroupTransport)
             else None
         )
-        self._runtime = Runtime(
-            self.stage,
-            local,
-            owners,
-            plan,
-            transport,
-            self.timeout,
-            self.device,
-            routes,
+        self._runtime = Runtime(  # its skip routes are set once every rank has agreed
+            self.stage, local, owners, plan, transport, self.timeout, self.device
         )
-        agree(self._runtime.exchange, self.stage, fields)  # before anything waits on the others
+        # before anything waits on the others; it tells every rank whether any saw a skip
+        if any(agree(self._runtime.exchange, self.stage, fields, extra=float(skips))):
+            routes = agree_routes(  # then check the skips' routes in one more exchange
+                self._runtime.exchange,
+                self.stage,
+                routes,
+                lambda: find_routes(layers, segments),  # other ranks' LazyModules on meta
+                lambda text: refuse_exchange(transport, text, refusal_seconds(self.timeout)),
+            )
+        self._runtime.routes = self.skip_routes = routes if routes is not None else SkipRoutes()
         if data_parallel_group is not None:  # and across the replicas of this stage
             same_replicas(
                 fields,
@@ -256,7 +262,6 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
         if isinstance(schedule, dict):  # the same plan everywhere now: it fails alike, or runs
             self._runtime.check_fixed_plan(self.chunks)
         self._shared = SharedWeights(shared, self.stage, global_rank, self.timeout)
-        self.skip_routes = routes
         if data_parallel_group is not None:
             self._averager = GradientAverager(
                 list(self.parameters()),

@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from torch import nn
+
 from ..partition import Segment
 from .namespace import SkipKey
 from .verify import declarations, probe, skippable_inside, verify_skippables
@@ -70,9 +72,25 @@ def skip_routes(layers: Sequence[object], segment_of: Sequence[int]) -> SkipRout
     return routes
 
 
+def has_skips(layers: Sequence[object], built: Sequence[nn.Module]) -> bool:
+    """Whether this rank sees a skippable layer: one of the modules in ``layers`` (every rank
+    holds those) or of its own ``built`` layers. No LazyModule's function runs here: every
+    LazyModule is some rank's own, so the ranks' answers together cover the whole model."""
+    return any(skippable_inside(layer) for layer in [*layers, *built])
+
+
 def find_routes(layers: Sequence[object], segments: Sequence[Segment]) -> SkipRoutes:
-    """Check the model's skip connections and find which cross between segments."""
-    views = [probe(layer, n) for n, layer in enumerate(layers)]
+    """Check the model's skip connections and find which cross between segments.
+
+    Reads the declarations of every layer: a LazyModule built here is its own, another is
+    built on the meta device (see :func:`~asyncpipe.skip.verify.probe`)."""
+    segment_of = [0] * len(layers)
+    owner = [0] * len(layers)
+    for segment in segments:
+        for invocation in segment.invocations:
+            segment_of[invocation.order] = segment.index
+            owner[invocation.order] = invocation.this.stage
+    views = [probe(layer, n, owner[n]) for n, layer in enumerate(layers)]
     if not any(skippable_inside(v) for v in views):
         return SkipRoutes()
     positions: dict[int, list[int]] = {}
@@ -85,8 +103,14 @@ def find_routes(layers: Sequence[object], segments: Sequence[Segment]) -> SkipRo
             f"use separate instances, each with its own Namespace via .isolate(Namespace())"
         )
     verify_skippables(views)
-    segment_of = [0] * len(layers)
-    for segment in segments:
-        for invocation in segment.invocations:
-            segment_of[invocation.order] = segment.index
     return skip_routes(views, segment_of)
+
+
+def describe_routes(routes: SkipRoutes) -> str:
+    """The routes in a form that is the same in every process for the same skips: segments and
+    skip names (namespaces are objects of one process), e.g. ``"0->2: 'x', 'y'"``."""
+    return "; ".join(
+        f"{s}->{t}: " + ", ".join(repr(name) for _, name in keys)
+        for s, out in sorted(routes.outgoing.items())
+        for t, keys in sorted(out.items())
+    )

@@ -47,9 +47,10 @@ def skippable_inside(layer: object) -> bool:
     return isinstance(layer, nn.Module) and any(isinstance(m, Skippable) for m in layer.modules())
 
 
-def probe(layer: object, position: int) -> object:
+def probe(layer: object, position: int, owner: int | None = None) -> object:
     """The layer whose skip declarations count for ``layer``: itself, or for a LazyModule that
-    is not built, a copy built on the meta device (no memory, no random numbers drawn)."""
+    is not built, a copy built on the meta device (no memory, no random numbers drawn).
+    ``owner``: the rank that builds ``layer`` for real (for the error)."""
     if not isinstance(layer, LazyModule):
         return layer
     if layer.built:
@@ -59,10 +60,14 @@ def probe(layer: object, position: int) -> object:
             warnings.simplefilter("ignore")  # e.g. loading weights into meta tensors is a no-op
             return layer.function()
     except Exception as e:
+        whose = "" if owner is None else f" (built for real by rank {owner}, stage {owner})"
         raise ValueError(
-            f"cannot read the skip declarations of the LazyModule at position {position}: "
-            f"building it on the meta device failed ({type(e).__name__}: {e}); pass that layer "
-            f"as a module instead (a layer list may mix modules and LazyModules)"
+            f"cannot read the skip declarations of the LazyModule at position {position}"
+            f"{whose}: this model has skip connections, so every rank builds the other ranks' "
+            f"LazyModules on the meta device to read them, and its function failed there "
+            f"({type(e).__name__}: {e}); make the function runnable on the meta device (no "
+            f"reading tensor values), or pass that layer as a module (a layer list may mix "
+            f"modules and LazyModules)"
         ) from e
 
 
@@ -117,7 +122,7 @@ def verify_skippables(module: nn.Sequential | Iterable[object]) -> None:
 
     Rules: every stashed name is popped by exactly one later layer; every popped name was
     stashed by exactly one earlier layer; names are scoped by namespaces
-    (:meth:`~asyncpipe.skip.layer.Skippable.isolate`).
+    (:meth:`~asyncpipe.skip.Skippable.isolate`).
 
     Raises:
         TypeError: naming each problem and how to fix it.
