@@ -1,5 +1,5 @@
-"""Shared memory between the processes of one host: a byte ring from one rank to another, and
-the doorbell that wakes a rank waiting for it.
+"""Shared memory between the processes of one host: a byte ring from one rank to another, the
+doorbell that wakes a rank waiting for it, and the buffers a reader copies messages out into.
 
 A ring is a file in ``/dev/shm`` that both processes map. Only the writer moves ``head`` (bytes
 written so far) and only the reader moves ``tail`` (bytes read so far); each reads the other's
@@ -18,6 +18,9 @@ cannot express.
 A doorbell is a named POSIX semaphore, one per rank: a writer posts the reader's after each
 message, and a reader posts the writer's when it frees room the writer waits for. Posting one
 nobody waits on is an atomic increment, with no system call.
+
+A reader copies each message out of its ring into a buffer of the message's size, which the
+message's tensors then view; :class:`Buffers` keeps such buffers for reuse, within a budget.
 """
 
 from __future__ import annotations
@@ -27,13 +30,19 @@ import contextlib
 import ctypes
 import mmap
 import os
+from collections import OrderedDict, deque
+from collections.abc import Sequence
 from typing import Any
+
+import torch
+from torch import Tensor
 
 __all__: list[str] = []
 
 _DATA = 4096
 _SEMAPHORE = 1  # _multiprocessing's kind for a counting semaphore
 _SEM_MAX = 2147483647
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
 def segment_path(name: str) -> str:
@@ -162,6 +171,60 @@ class Doorbell:
 
     def unlink(self) -> None:
         unlink_doorbell(self.name)
+
+
+class Buffers(OrderedDict[int, deque[Tensor]]):
+    """Buffers that messages were copied out into, kept for reuse: by size in bytes, the size
+    used least recently first (a new buffer's pages are touched for the first time by the copy
+    out of the ring, which costs more than the copy).
+
+    A buffer stays in its size's entry while the tensors of its message use it, and is handed
+    out again once nothing else holds its memory. ``bytes`` counts every buffer kept, free or
+    in use, and never exceeds ``limit``: a new buffer is kept after dropping whole sizes used
+    least recently (as a rule those of old messages, free by now, so their memory goes back),
+    and not kept where its size's own buffers leave no room, nor beyond ``per_size`` of one
+    size; a buffer not kept lives as long as its message's tensors. A pipeline of fixed
+    shapes reuses buffers of a few sizes, with nothing dropped; one whose shapes vary from step
+    to step (sequences of any length) would otherwise keep buffers of every size it received.
+    """
+
+    def __init__(self, limit: int, per_size: int) -> None:
+        super().__init__()
+        self.limit, self.per_size, self.bytes = limit, per_size, 0
+
+    def take(self, size: int, busy: Sequence[Tensor] = ()) -> Tensor:
+        """A buffer of ``size`` bytes that nothing uses (not one of ``busy``, still being
+        filled), else a new one."""
+        kept = self.get(size)
+        if kept is not None and _use_count is not None:
+            self.move_to_end(size)
+            for _ in range(min(len(kept), 4)):  # oldest first: the likeliest to be free
+                buffer = kept[0]
+                kept.rotate(-1)
+                # two references: ``buffer`` and the storage object asked about
+                if _use_count(buffer.untyped_storage()._cdata) == 2 and (
+                    not busy or all(b is not buffer for b in busy)
+                ):
+                    return buffer
+        buffer = torch.empty(size, dtype=torch.uint8)
+        if _use_count is not None:  # else a buffer could never be known to be free
+            self._keep(size, buffer, kept)
+        return buffer
+
+    def _keep(self, size: int, buffer: Tensor, kept: deque[Tensor] | None) -> None:
+        if kept is not None and len(kept) >= self.per_size:
+            kept.popleft()
+            self.bytes -= size
+        own = 0 if kept is None else size * len(kept)
+        if own + size > self.limit:  # dropping the other sizes would not make room
+            return
+        while self.bytes + size > self.limit:  # this size is the last: others come first
+            oldest, dropped = self.popitem(last=False)
+            self.bytes -= oldest * len(dropped)
+        if kept is None:
+            kept = self[size] = deque()
+        kept.append(buffer)
+        self.bytes += size
 
 
 def unlink_segment(name: str) -> None:

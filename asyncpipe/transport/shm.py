@@ -12,9 +12,12 @@ waits in a queue of the sender's, written by its next calls into the transport (
 receive, wait and flush moves what it can), so a send never blocks. Any wait reads every
 incoming ring to the end, copying each finished frame out into a buffer of its own, and files
 its message by (peer, channel): a receive takes the n-th message of its (peer, channel), n
-being the order it was posted in. Rings and doorbells are named with a token of the
-transport's own, agreed over the process group, and unlinked as soon as every rank has opened
-them, so nothing is left behind in ``/dev/shm`` even when a process is killed.
+being the order it was posted in. The message's tensors view that buffer, which is reused once
+they are gone; buffers kept for reuse, free or in use, come to at most 64 MiB
+(``_BUFFER_BYTES``, see :class:`.ring.Buffers`), whatever sizes the messages have. Rings and
+doorbells are named with a token of the transport's own, agreed over the process group, and
+unlinked as soon as every rank has opened them, so nothing is left behind in ``/dev/shm`` even
+when a process is killed.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ from .frame import (
     read_fields,
     views,
 )
-from .ring import Doorbell, Ring, alive, started, unlink_doorbell, unlink_segment
+from .ring import Buffers, Doorbell, Ring, alive, started, unlink_doorbell, unlink_segment
 
 __all__: list[str] = []
 
@@ -64,8 +67,12 @@ _LIVENESS = 1.0
 _PAD = ctypes.create_string_buffer(64)
 _PAD_ADDRESS = ctypes.addressof(_PAD)
 _KEPT = 64
-"""Receive buffers of one size watched for reuse (see :meth:`ShmTransport._buffer`)."""
-_use_count = getattr(torch._C, "_storage_Use_Count", None)
+"""Receive buffers of one size kept for reuse (see :class:`.ring.Buffers`)."""
+_BUFFER_BYTES = 64 * 2**20
+"""Bytes of receive buffers kept for reuse in all, free or still viewed by received tensors,
+as the p2p transport keeps its spare buffers: a pipeline of fixed shapes reuses buffers of a
+few sizes; one whose shapes vary from step to step (sequences of any length) would otherwise
+keep buffers of every size it ever received."""
 
 
 def _in_place(tensor: Tensor) -> bool:
@@ -126,7 +133,10 @@ class ShmTransport(GroupTransport):
     receiver that slept still pays its wake-up, as over any transport: see the transport
     benchmarks in the docs). The process group is used once, to agree on the
     names; later messages never touch it, and collectives (data parallelism, shared weights)
-    keep using it. Linux on x86-64 only; the group must use gloo.
+    keep using it. Linux on x86-64 only; the group must use gloo. Received tensors view
+    buffers that the transport reuses once they are gone; it keeps at most 64 MiB of them,
+    in use or free, so shapes that vary from step to step (sequences of any length) leave no
+    more behind than fixed ones.
 
     Args:
         group: the process group of the pipeline (default: the whole world); pipeline rank
@@ -196,7 +206,7 @@ class ShmTransport(GroupTransport):
         self._scratch = (ctypes.c_int64 * (HEADER_SIZE + 16))()  # a frame's head, filled in
         self._decoded: dict[bytes, tuple[list[tuple[int, bool, list[int]]], list[int]]] = {}
         self._prefix = (ctypes.c_int64 * 2)()
-        self._buffers: dict[int, deque[Tensor]] = {}
+        self._buffers = Buffers(_BUFFER_BYTES, _KEPT)
         self._pids = self._connect(group, peers)
 
     # -- set-up ------------------------------------------------------------------------------
@@ -403,7 +413,10 @@ class ShmTransport(GroupTransport):
                     break
                 ring.take(ctypes.addressof(self._prefix), _PREFIX.size)
                 total, channel = self._prefix[0], self._prefix[1]
-                part = (self._buffer(total), 0, channel)
+                # a buffer another peer's frame is being copied into is not free, though
+                # nothing but this transport holds it
+                busy = [p[0] for p in self._partial.values()] if self._partial else ()
+                part = (self._buffers.take(total, busy), 0, channel)
                 moved = True
             buffer, filled, channel = part
             got = ring.take(buffer.data_ptr() + filled, buffer.numel() - filled)
@@ -418,26 +431,6 @@ class ShmTransport(GroupTransport):
         if moved and ring.waiting:
             self._bells[src].ring()
         return moved
-
-    def _buffer(self, size: int) -> Tensor:
-        """A buffer of ``size`` bytes for a message: one that an earlier message of that size
-        had, if nothing uses it any more, else a new one. The pages of a new buffer are touched
-        for the first time by the copy out of the ring, which costs more than the copy."""
-        kept = self._buffers.get(size)
-        if kept is None:
-            kept = self._buffers[size] = deque()
-        if _use_count is not None:
-            for _ in range(min(len(kept), 4)):  # oldest first: the likeliest to be free
-                buffer = kept[0]
-                kept.rotate(-1)
-                # two references: ``buffer`` and the storage object asked about
-                if _use_count(buffer.untyped_storage()._cdata) == 2:
-                    return buffer
-        buffer = torch.empty(size, dtype=torch.uint8)
-        kept.append(buffer)
-        if len(kept) > _KEPT:
-            kept.popleft()
-        return buffer
 
     def _decode(self, buffer: Tensor) -> Message:
         base = buffer.data_ptr()
