@@ -326,19 +326,35 @@ def _to_caller(work: Work) -> None:
     """Back-propagate the gradients of segment 0's input leaves, every micro-batch's joined
     along the batch dimension and divided by the loss scale, into the caller's input: one
     backward, as the plain model's, so a graph the caller built before the step (shared by
-    every micro-batch) is gone through once."""
-    roots, grads = [], []
+    every micro-batch) is gone through once. Under a float16 loss scale the joined gradients
+    wait in ``work.caller_grads`` instead: the step may overflow, and the caller's layers then
+    get no gradient from it (see :func:`to_caller`)."""
+    pairs = []
     for n, tensor in enumerate(work.caller_inputs):
         parts = [work.input_grads[i][n] for i in range(work.microbatches)]
         if not tensor.requires_grad or all(g is None for g in parts):
             continue
         pieces = torch.chunk(tensor.detach(), work.microbatches)  # as scatter cut them
         joined = torch.cat([torch.zeros_like(p) if g is None else g for p, g in zip(pieces, parts)])
-        roots.append(tensor)
-        grads.append(joined / work.loss_scale if work.loss_scale != 1.0 else joined)
+        pairs.append((tensor, joined / work.loss_scale if work.loss_scale != 1.0 else joined))
     work.input_grads.clear()
-    if roots:
-        torch.autograd.backward(roots, grads)
+    if work.loss_scale != 1.0:
+        work.caller_grads = pairs
+    else:
+        to_caller(pairs)
+
+
+def to_caller(pairs: Sequence[tuple[Tensor, Tensor]]) -> None:
+    """One backward of ``pairs`` (the caller's input tensors and their gradients) into the
+    caller's graph; a float16 step calls it once every rank has agreed it did not overflow::
+
+        segment 0, last B: joined = cat(input grads) / scale ──> work.caller_grads
+        step, after the step: LossScaler.settle(parameters, joined) ──> any overflow?
+            no:  backward(caller inputs, joined)   (the caller's layers get their gradients)
+            yes: nothing (the caller's layers get no gradient, as GradScaler skips the step)
+    """
+    if pairs:
+        torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
 
 
 def _like(grad: Tensor | None, tensor: Tensor) -> Tensor | None:

@@ -21,6 +21,7 @@ from .arguments import (
 )
 from .balance.auto import auto_balance
 from .batchnorm import DeferredBatchNorm, commit_all
+from .compute import to_caller
 from .delayed import DelayedUpdates
 from .failure import MismatchedBatch, StageFailure, StepReport
 from .lazy import LazyModule
@@ -579,9 +580,13 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
         self._shared.reduce(before)
         if self.scaler is not None:
             others = self._averager.reduce_max if self._averager is not None else None
+            held = [g for _, g in work.caller_grads]  # the caller's input gradient (stage 0)
             self.overflow = self.scaler.settle(
-                list(self.parameters()), self._runtime.exchange, others
+                list(self.parameters()), self._runtime.exchange, others, held
             )
+            if not self.overflow:  # else the caller's layers get no gradient, as GradScaler's
+                to_caller(work.caller_grads)
+            work.caller_grads = []
         loss = work.loss_sum / work.microbatches
         self._traced(work, loss)
         if optimizer is not None:

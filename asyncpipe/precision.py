@@ -8,6 +8,10 @@ exchange one flag. An overflow anywhere skips the step everywhere::
     every stage: finite = all(isfinite(grad))  ──exchange──> any overflow?
         yes: grads = None on every stage (optimizer.step() skips them), scale *= backoff
         no:  grads /= scale; after growth_interval clean steps, scale *= growth
+
+The caller's layers before the pipeline (``pipe.step(embed(x), ...)``) count too: their input
+gradient waits on the first stage, counts in its flag, and goes into their graph only if no
+rank overflowed.
 """
 
 from __future__ import annotations
@@ -42,11 +46,15 @@ class LossScaler:
         parameters: list[nn.Parameter],
         exchange: Callable[[Sequence[float]], list[list[float]]],
         replicas: Callable[[float], float] | None = None,
+        held: Sequence[Tensor] = (),
     ) -> bool:
         """After a step: agree with every rank (``exchange``) and replica (``replicas``, the
         largest value over them) whether any gradient overflowed; drop this rank's gradients if
-        so, else unscale them; update the scale. Returns whether the step overflowed."""
-        table = exchange([0.0 if all_finite(parameters) else 1.0])
+        so, else unscale them; update the scale. Returns whether the step overflowed.
+        ``held``: unscaled gradients not yet in any parameter (the caller's input gradient)
+        that count in the flag; the caller applies them only if the step did not overflow."""
+        finite = all_finite(parameters) and all(bool(torch.isfinite(g).all()) for g in held)
+        table = exchange([0.0 if finite else 1.0])
         overflow = any(row[0] for row in table)
         if replicas is not None:  # replicas agree (their averaged gradients do anyway)
             overflow = replicas(float(overflow)) > 0

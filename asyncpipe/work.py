@@ -53,6 +53,10 @@ class Work:
     every micro-batch's are known (see ``Compute.backward``)."""
     input_grads: dict[int, list[Tensor | None]] = field(default_factory=dict)
     """By micro-batch: the gradients of segment 0's input leaves."""
+    caller_grads: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+    """Under a float16 loss scale: the caller's input tensors and their joined, unscaled
+    gradients, held back until the ranks agree that the step did not overflow (see
+    ``compute.to_caller``)."""
     targets: list[Tensors] | None = None
     single_target: bool = False
     """The target was a tuple (or list) of one tensor, which ``loss_fn`` gets as that tuple."""
