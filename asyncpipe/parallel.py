@@ -425,10 +425,11 @@ def connect(
     data_parallel_size: int,
     device: torch.device,
     timeout: float,
-) -> tuple[Transport, int, dist.ProcessGroup | None]:
-    """The transport of this rank's pipeline, its replica, and its data-parallel group (None
-    with one replica). ``transport`` is a name or a ready Transport (one replica only); every
-    rank of the world must name the same one (checked first)."""
+) -> tuple[Transport, int, dist.ProcessGroup | None, list[dist.ProcessGroup]]:
+    """The transport of this rank's pipeline, its replica, its data-parallel group (None
+    with one replica), and the process groups created here that this rank belongs to (for
+    :func:`release` when the pipeline closes). ``transport`` is a name or a ready Transport
+    (one replica only); every rank of the world must name the same one (checked first)."""
     serial = 0
     if isinstance(transport, str):
         serial = same_transport(transport, timeout, data_parallel_size) or 0
@@ -448,20 +449,37 @@ def connect(
         ordered = transport == "p2p" and dist.get_backend() == "nccl"
         pipeline_group, data_parallel_group, down_group = groups(layout, me, ordered, timeout)
         data_parallel_rank = layout.replica(me)
+    created = [g for g in (pipeline_group, data_parallel_group, down_group) if g is not None]
     if transport == "rpc":
         if pipeline_group is None:  # a mailbox of the pipeline's own (see same_transport)
-            return RPCTransport(name=f"pipe{serial}"), 0, None
+            return RPCTransport(name=f"pipe{serial}"), 0, None, created
         ranks_of = layout.pipeline_ranks(data_parallel_rank)
         names = worker_names()
         rpc = RPCTransport(
             {s: names.get(r, f"worker{r}") for s, r in enumerate(ranks_of)},
             name=f"pipe{serial}-replica{data_parallel_rank}",
         )
-        return rpc, data_parallel_rank, data_parallel_group
+        return rpc, data_parallel_rank, data_parallel_group, created
     if transport == "shm":
         transport = ShmTransport(group=pipeline_group, device=device)
     elif isinstance(transport, str):
         transport = P2PTransport(
             group=pipeline_group, device=device, down_group=down_group, pipeline=serial
         )
-    return transport, data_parallel_rank, data_parallel_group
+    return transport, data_parallel_rank, data_parallel_group, created
+
+
+def release(created: Sequence[weakref.ref[dist.ProcessGroup]]) -> None:
+    """Destroy the process groups a pipeline created (held weakly, in the order they were
+    created): their connections and worker threads end, which they otherwise did only with
+    the default group. Each is destroyed on this rank alone (over gloo this waits for no
+    other rank, so a rank whose peers are gone or closed already gets through), skipping one
+    already gone (``asyncpipe.shutdown()`` destroys every group). Later groups are still
+    created alike on every rank: torch names them by a count that this leaves as it is.
+    Never raises: the pipeline is over whatever happens."""
+    for ref in created:
+        group = ref()
+        if group is None:
+            continue
+        with contextlib.suppress(ValueError, RuntimeError):  # ValueError: destroyed already
+            dist.destroy_process_group(group)

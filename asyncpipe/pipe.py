@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -28,7 +30,14 @@ from .lazy import LazyModule
 from .manual import ManualBackward
 from .microbatch import Tensors, as_tensors, scatter
 from .names import layer_names, rename_loaded, rename_missing, rename_saved
-from .parallel import GradientAverager, connect, refusal_seconds, refuse, same_replicas
+from .parallel import (
+    GradientAverager,
+    connect,
+    refusal_seconds,
+    refuse,
+    release,
+    same_replicas,
+)
 from .partition import Layer, Partition, Segment, partition
 from .precision import LossScaler, clip_norm
 from .runtime import Runtime, refuse_exchange
@@ -185,7 +194,8 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         ranks = len(balance) // virtual_stages
         self.data_parallel_size = int(data_parallel_size)
-        transport, self.data_parallel_rank, data_parallel_group = connect(
+        self._owns_transport = isinstance(transport, str)  # built here: close() closes it
+        transport, self.data_parallel_rank, data_parallel_group, created = connect(
             transport, ranks, self.data_parallel_size, self.device, float(timeout)
         )
         self._averager: GradientAverager | None = None
@@ -263,6 +273,9 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
         if isinstance(schedule, dict):  # the same plan everywhere now: it fails alike, or runs
             self._runtime.check_fixed_plan(self.chunks)
         self._shared = SharedWeights(shared, self.stage, global_rank, self.timeout)
+        self._created = [*map(weakref.ref, created), *self._shared.created]
+        """The process groups this pipeline created (weakly: torch.distributed owns them, see
+        :class:`~asyncpipe.group.GroupRef`), which :meth:`close` destroys."""
         if data_parallel_group is not None:
             self._averager = GradientAverager(
                 list(self.parameters()),
@@ -287,6 +300,7 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
         self._pending: Work | None = None
         self._broken: StageFailure | None = None
         self.last_step: StepReport | None = None
+        self._closed = False
 
     def _build_stage(self, module: object, layers: list[Layer], deferred_batch_norm: bool) -> None:
         """Build this rank's layers (LazyModules built here, BatchNorm deferred, moved to the
@@ -373,6 +387,11 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
     # ----- running -----------------------------------------------------------------------
 
     def _guard(self) -> None:
+        if self._closed:
+            raise RuntimeError(
+                "this pipeline was closed (close() released its process groups and "
+                "connections); build a new AsyncPipe to go on"
+            )
         if self._broken is not None:
             raise RuntimeError(
                 f"this pipeline failed in an earlier call ({self._broken}); its ranks may hold "
@@ -438,13 +457,38 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
         self._runtime.stop_agreed = self._averager.stop_asked
 
     def close(self) -> None:
-        """Drain the pipeline (see :meth:`flush`) and finish the trace (rank 0 writes the last
-        step, the Chrome trace and the timeline pictures); call it on every rank after the last
-        step."""
-        if self.in_flight and self._broken is None:
-            self.flush()
-        if self._recorder is not None:
-            self._recorder.close(drain=self._broken is None)
+        """Drain the pipeline (see :meth:`flush`), finish the trace (rank 0 writes the last
+        step, the Chrome trace and the timeline pictures), then release what the pipeline
+        created: the transport it built by name (its connections, mailboxes or rings; a
+        Transport passed in stays open, its owner closes it) and the process groups of
+        ``data_parallel_size`` and ``shared_weights``, with their connections and threads.
+
+        Call it on every rank after the last step, and before building another pipeline in a
+        long-lived process (a sweep, or a rebuild after a failure): a pipeline left open keeps
+        its groups until the default group ends, so a process building many runs out of file
+        descriptors. It releases on this rank alone, waiting for no other (a failed pipeline,
+        or one whose peers closed already, closes too); calling it again does nothing. The
+        pipeline cannot run after it (a step raises a RuntimeError saying so).
+
+        Example:
+            >>> for lr in (0.1, 0.01):                                   # doctest: +SKIP
+            ...     pipe = asyncpipe.AsyncPipe(model, [2, 2], data_parallel_size=2)
+            ...     train(pipe, lr)
+            ...     pipe.close()
+        """
+        if self._closed:
+            return
+        try:
+            if self.in_flight and self._broken is None:
+                self.flush()
+            if self._recorder is not None:
+                self._recorder.close(drain=self._broken is None)
+        finally:  # a flush that failed leaves nothing to keep the groups for
+            self._closed = True
+            if self._owns_transport:
+                with contextlib.suppress(Exception):
+                    self.transport.close()
+            release(self._created)
 
     def _scatter(self, value: object, what: str, microbatches: int | None) -> list[Tensors]:
         return self._split(value, what, microbatches)[1]

@@ -14,6 +14,7 @@ is summed, so gradients accumulated over several steps are not counted twice.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -162,6 +163,8 @@ class SharedWeights:
         timeout: float = 300.0,
     ) -> None:
         self.groups: list[_Group] = []
+        self.created: list[weakref.ref[dist.ProcessGroup]] = []
+        """The process groups created here that this rank belongs to, in order of creation."""
         for found in groups:
             process_group = None
             if len(found.owners) > 1:
@@ -178,6 +181,8 @@ class SharedWeights:
             member = isinstance(process_group, dist.ProcessGroup)
             held = GroupRef(process_group) if member else None
             self.groups.append(_Group(found.names, found.owners, found.local, held))
+            if isinstance(process_group, dist.ProcessGroup):  # for the pipeline's close()
+                self.created.append(weakref.ref(process_group))
         self.rank = rank
         self._global = global_rank or {}
         self._copy_first()

@@ -345,6 +345,9 @@ class RPCTransport(Transport):
         )
 
     def close(self) -> None:
+        """Remove this transport's mailbox (``AsyncPipe.close()`` calls it for the transport it
+        built); a message still arriving for it later makes a new one, dropped with the
+        process."""
         _Post.remove(self.name)
 
 
