@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -27,6 +26,7 @@ from .compute import to_caller
 from .delayed import DelayedUpdates
 from .failure import MismatchedBatch, StageFailure, StepReport
 from .lazy import LazyModule
+from .lifecycle import LifeCycle
 from .manual import ManualBackward
 from .microbatch import Tensors, as_tensors, scatter
 from .names import layer_names, rename_loaded, rename_missing, rename_saved
@@ -35,7 +35,6 @@ from .parallel import (
     connect,
     refusal_seconds,
     refuse,
-    release,
     same_replicas,
 )
 from .partition import Layer, Partition, Segment, partition
@@ -53,7 +52,7 @@ from .work import LossFn, Work
 __all__: list[str] = []
 
 
-class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
+class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, LifeCycle, nn.Module):
     """One rank's part of a model split into pipeline stages that run in separate processes.
 
     Every process of the pipeline builds ``AsyncPipe`` with the same arguments (the ranks
@@ -362,42 +361,7 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
         """Whether this rank computes the loss (it runs the last layer)."""
         return self.stage == self._last_rank
 
-    def _replicas_max(self, value: float) -> float:
-        """The largest ``value`` over this stage's replicas (``value`` with one replica), for
-        a flag they must agree on; call it on every rank."""
-        return value if self._averager is None else self._averager.reduce_max(value)
-
-    # ----- stopping together -------------------------------------------------------------
-
-    def request_stop(self) -> None:
-        """Ask every rank to stop: the end of the next step tells them all (see
-        :attr:`stop_agreed`). Safe to call from a signal handler.
-
-        Example:
-            >>> signal.signal(signal.SIGTERM, lambda *_: pipe.request_stop())  # doctest: +SKIP
-        """
-        self._runtime.stop_requested = True
-
-    @property
-    def stop_agreed(self) -> bool:
-        """Whether any rank had called :meth:`request_stop` when the last step ended; the same
-        on every rank, so all can save and stop at the same step."""
-        return self._runtime.stop_agreed
-
     # ----- running -----------------------------------------------------------------------
-
-    def _guard(self) -> None:
-        if self._closed:
-            raise RuntimeError(
-                "this pipeline was closed (close() released its process groups and "
-                "connections); build a new AsyncPipe to go on"
-            )
-        if self._broken is not None:
-            raise RuntimeError(
-                f"this pipeline failed in an earlier call ({self._broken}); its ranks may hold "
-                f"messages of that call, so build a new process group and AsyncPipe (or restart "
-                f"the job) to go on"
-            ) from self._broken
 
     def _run(
         self,
@@ -438,57 +402,6 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, nn.Module):
         if self._recorder is not None:
             self._recorder.add(report)
         return work
-
-    def _tell_replicas(self, failure: BaseException, averages: bool) -> None:
-        """A step that the replicas would average failed here (on every rank of this replica):
-        let the other replicas, which wait for its gradients, raise instead."""
-        if averages and self._averager is not None:
-            self._averager.fail(failure)
-
-    def _average(self) -> None:
-        """Average the step's gradients over the replicas and learn how their steps ended:
-        raise a StageFailure if one failed; stop when any replica's ranks asked to."""
-        assert self._averager is not None
-        try:
-            self._averager.finish(self._runtime.stop_agreed)
-        except StageFailure as e:
-            self._broken = e
-            raise
-        self._runtime.stop_agreed = self._averager.stop_asked
-
-    def close(self) -> None:
-        """Drain the pipeline (see :meth:`flush`), finish the trace (rank 0 writes the last
-        step, the Chrome trace and the timeline pictures), then release what the pipeline
-        created: the transport it built by name (its connections, mailboxes or rings; a
-        Transport passed in stays open, its owner closes it) and the process groups of
-        ``data_parallel_size`` and ``shared_weights``, with their connections and threads.
-
-        Call it on every rank after the last step, and before building another pipeline in a
-        long-lived process (a sweep, or a rebuild after a failure): a pipeline left open keeps
-        its groups until the default group ends, so a process building many runs out of file
-        descriptors. It releases on this rank alone, waiting for no other (a failed pipeline,
-        or one whose peers closed already, closes too); calling it again does nothing. The
-        pipeline cannot run after it (a step raises a RuntimeError saying so).
-
-        Example:
-            >>> for lr in (0.1, 0.01):                                   # doctest: +SKIP
-            ...     pipe = asyncpipe.AsyncPipe(model, [2, 2], data_parallel_size=2)
-            ...     train(pipe, lr)
-            ...     pipe.close()
-        """
-        if self._closed:
-            return
-        try:
-            if self.in_flight and self._broken is None:
-                self.flush()
-            if self._recorder is not None:
-                self._recorder.close(drain=self._broken is None)
-        finally:  # a flush that failed leaves nothing to keep the groups for
-            self._closed = True
-            if self._owns_transport:
-                with contextlib.suppress(Exception):
-                    self.transport.close()
-            release(self._created)
 
     def _scatter(self, value: object, what: str, microbatches: int | None) -> list[Tensors]:
         return self._split(value, what, microbatches)[1]
