@@ -52,6 +52,25 @@ def _suggest(layers: int, stages: int) -> list[int]:
     return [base + (1 if s < extra else 0) for s in range(stages)]
 
 
+def _compiled_whole(module: object) -> str | None:
+    """The problem with a whole model given to ``torch.compile`` (None where there is none):
+    the pipeline calls each layer on its own, so a compiled call of the whole model never runs
+    (``model.compile()`` would silently do nothing) and ``torch.compile(model)``'s wrapper is
+    no ``nn.Sequential``."""
+    inner = getattr(module, "_orig_mod", None)
+    wrapped = isinstance(module, nn.Module) and isinstance(inner, nn.Sequential)
+    in_place = getattr(module, "_compiled_call_impl", None) is not None
+    if not wrapped and not in_place:
+        return None
+    what = "torch.compile(model)" if wrapped else "model.compile()"
+    return (
+        f"module was compiled whole ({what}), but the pipeline calls each layer on its own, so "
+        f"a compiled call of the whole model never runs; pass the uncompiled nn.Sequential and "
+        f"compile its layers instead (for layer in model: layer.compile()), or pass a list of "
+        f"compiled layers"
+    )
+
+
 def check_arguments(
     module: object,
     balance: object,
@@ -67,7 +86,11 @@ def check_arguments(
     problems: list[str] = []
     kinds: list[type[Exception]] = []
     layers: list[Layer] = []
-    if isinstance(module, nn.Sequential):
+    compiled = _compiled_whole(module)
+    if compiled:
+        problems.append(compiled)
+        kinds.append(TypeError)
+    elif isinstance(module, nn.Sequential):
         layers = list(iter(module))
     elif isinstance(module, (list, tuple)):
         bad = [

@@ -13,6 +13,9 @@ __all__: list[str] = []
 
 Tensors = tuple[Tensor, ...]
 
+_SHOWN = 5
+"""Entries of a list that is no tuple of tensors named in its error (the count follows)."""
+
 
 def as_tensors(value: object, what: str) -> Tensors:
     """A tensor or tuple/list of tensors as a tuple; a clear TypeError for anything else."""
@@ -22,11 +25,14 @@ def as_tensors(value: object, what: str) -> Tensors:
         return tuple(value)
     if isinstance(value, (tuple, list)):
         bad = [f"{n}: {type(v).__name__}" for n, v in enumerate(value) if not isinstance(v, Tensor)]
-        detail = ", ".join(bad) if bad else "an empty tuple"
-        raise TypeError(
-            f"{what} must be a tensor or a tuple of tensors (got {detail}); pass other values "
-            f"through layer attributes, or convert them to tensors"
-        )
+        detail = ", ".join(bad[:_SHOWN]) if bad else "an empty tuple"
+        if len(bad) > _SHOWN:
+            detail += f", ... ({len(bad)} of {len(value)} entries are no tensor)"
+        if bad and all(isinstance(v, (int, float, list, tuple)) for v in value):  # numbers
+            fix = "convert it with torch.as_tensor(...) (a list of numbers is one tensor)"
+        else:
+            fix = "pass other values through layer attributes, or convert them to tensors"
+        raise TypeError(f"{what} must be a tensor or a tuple of tensors (got {detail}); {fix}")
     raise TypeError(
         f"{what} must be a tensor or a tuple of tensors (got {type(value).__name__}); "
         f"convert it with torch.as_tensor"

@@ -60,6 +60,24 @@ def test_module_type() -> None:
         AsyncPipe([nn.Linear(2, 2), "relu"], [1, 1], transport=transport())  # type: ignore[list-item]
 
 
+@pytest.mark.parametrize("how", ["wrapper", "in_place"])
+def test_a_model_compiled_whole_is_refused_with_the_per_layer_fix(how: str) -> None:
+    # before: "got OptimizedModule; wrap your layers with nn.Sequential(...)" (they were), and
+    # model.compile() trained uncompiled without a word (each layer is called on its own)
+    model = mlp(2)
+    if how == "wrapper":
+        module: object = torch.compile(model)
+    else:
+        model.compile()
+        module = model
+    with pytest.raises(TypeError, match=r"compiled whole .*for layer in model: layer.compile"):
+        AsyncPipe(module, [2], transport=transport(1))  # type: ignore[arg-type]
+    layers = list(mlp(2))
+    for layer in layers:
+        layer.compile()
+    AsyncPipe(layers, [2], transport=transport(1))  # compiled layers are what it takes
+
+
 def test_every_problem_is_listed_at_once() -> None:
     with pytest.raises(ValueError) as info:
         AsyncPipe(
@@ -154,7 +172,9 @@ def test_step_refuses_no_grad() -> None:
     "value,match",
     [
         ("text", "input must be a tensor or a tuple of tensors \\(got str\\)"),
-        ((torch.zeros(2, 8), 3), "got 1: int"),
+        ((torch.zeros(2, 8), 3), "got 1: int\\); pass other values through layer attributes"),
+        # before: all 1000 entries named (10,000 characters), and the attributes hint
+        (list(range(1000)), r"4: int, \.\.\. \(1000 of 1000 entries are no tensor\)\); convert"),
         ((torch.zeros(2, 8), torch.zeros(3, 8)), "same size in dim 0"),
     ],
 )
