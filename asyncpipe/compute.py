@@ -268,6 +268,7 @@ class Compute:
                 heads = work.loss_inputs.pop(i)
                 torch.autograd.backward(loss, retain_graph=True)
                 given = tuple(h.grad for h in heads)
+                del loss  # its saved tensors (a head's logits, say) go now, not after B
             else:
                 roots, grads = [loss], [None]
         else:

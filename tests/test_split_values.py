@@ -329,3 +329,63 @@ def test_a_layer_that_reads_an_earlier_layers_tensor_past_the_cut_is_refused() -
     message = str(error)
     assert "zero_bubble" in message and "ReadsKept" in message, message
     assert "another schedule" in message, message
+
+
+class _Probe(torch.autograd.Function):
+    """Identity whose backward records what the loss's graph still holds at that moment."""
+
+    seen: list[int] = []  # noqa: RUF012
+    alive: dict[int, int] = {}  # noqa: RUF012
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> Tensor:
+        _Probe.seen.append(sum(_Probe.alive.values()))
+        return g
+
+
+def test_the_losss_saved_tensors_are_freed_before_the_last_stages_b_goes_on() -> None:
+    # before: the plain backward of the loss kept its graph (retain_graph=True) while the loss
+    # stayed in scope, so a 50000-class head's log-softmax lived through the whole stage's B
+    import weakref
+
+    class Held:
+        def __init__(self, t: Tensor) -> None:
+            self.t = t
+
+    def pack(t: Tensor) -> Held:
+        held = Held(t.detach().clone())
+        _Probe.alive[id(held)] = t.nbytes
+        weakref.finalize(held, _Probe.alive.pop, id(held), None)
+        return held
+
+    def loss_fn(out: Tensor, y: Tensor) -> Tensor:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda held: held.t):
+            return nn.functional.cross_entropy(out, y)
+
+    class Check(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            return _Probe.apply(x)  # type: ignore[no-any-return]
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), Check(), nn.Linear(16, 16), nn.Linear(16, 20000))
+    x, y = torch.randn(8, 16), torch.randint(0, 20000, (8,))
+    _Probe.seen.clear()
+
+    def fn(rank: int, transport: Transport) -> float:
+        pipe = AsyncPipe(
+            model,
+            [1, 3],
+            chunks=2,
+            checkpoint="never",
+            schedule="zero_bubble",
+            transport=transport,
+            timeout=30,
+        )
+        return pipe.step(x, y, loss_fn)
+
+    values(run_threads(fn, 2))
+    assert len(_Probe.seen) == 2 and _Probe.seen == [0, 0], _Probe.seen
