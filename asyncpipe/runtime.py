@@ -264,7 +264,8 @@ class Runtime(FailureBlame, Compute):
         original: BaseException | None,
     ) -> None:
         """Tell every rank how this step ended and learn how theirs did: raise if any failed,
-        else settle the sends. A failed rank does not wait for the others' news."""
+        else settle the sends. A failed rank waits for the others' news a moment at most
+        (see :func:`end_failed`)."""
         # loss, outcome, failed stage, micro-batch, rank, stop asked, input rows, target
         # rows, failed action's kind (-1: none or unknown), whether this rank timed out
         # waiting for the failed rank (which then learns it was the slow one)
@@ -295,8 +296,7 @@ class Runtime(FailureBlame, Compute):
                     raise
         if failure is not None:
             # Give the news a moment to leave before the caller (maybe) ends the process.
-            with contextlib.suppress(Exception):  # a peer that is gone cannot be told
-                self.transport.flush(min(self.timeout, NEWS_SECONDS))
+            end_failed(self.transport, self._statuses, min(self.timeout, NEWS_SECONDS))
             raise self._raise(failure, original)
         table, sources = [status], [self.rank]
         # A peer that waits for a message this rank never sends (the ranks ran different
@@ -536,6 +536,35 @@ def refuse_exchange(transport: Transport, text: str, timeout: float) -> None:
             receive.wait(max(deadline - time.monotonic(), 0.001))
     with contextlib.suppress(Exception):
         transport.flush_received(max(deadline - time.monotonic(), 0.001))
+
+
+def end_failed(
+    transport: Transport,
+    ends: dict[int, PendingRecv],
+    seconds: float,
+    ended: Callable[[Message], bool] = lambda message: True,
+) -> None:
+    """Let a failed step's messages leave, ``seconds`` at most; never raises.
+
+    ``ends`` holds the receives of each peer's message that says how its own step ended (its
+    news). Over a rendezvous transport (p2p over gloo) a send is taken only by a receive the
+    peer posts, and a wait that times out closes every connection of the process group; a
+    notice to a peer that failed as well, or that had all it needed from this rank, is never
+    taken. So those messages come first: the sends to a peer whose message says it takes
+    nothing more (``ended``) are let go, not waited for. The peer posted its receive of this
+    rank's own message before it sent its own, so that one is taken, and waited for."""
+    deadline = time.monotonic() + seconds
+    over: set[int] = set()
+    for peer, pending in ends.items() if transport.rendezvous else ():
+        try:
+            message = pending.wait(max(deadline - time.monotonic(), 0.001))
+        except Exception:  # noqa: S112 - gone or silent: its sends wait below, as any
+            continue
+        if ended(message):
+            over.add(peer)
+            with contextlib.suppress(Exception):
+                transport.settle(peer, STATUS_CHANNEL, 0, seconds)
+    transport.flush_failed(max(deadline - time.monotonic(), 0.001), over)
 
 
 def _check_posting_order(plan: Plan) -> None:

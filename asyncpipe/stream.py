@@ -33,7 +33,7 @@ from .blame import NEWS_SECONDS, OK, PEER_ERRORS
 from .failure import Failed, MismatchedBatch, StepReport
 from .labels import profiler_range
 from .precision import SpreadNorm
-from .runtime import NORM_CHANNEL, STATUS_CHANNEL, Runtime, rows_of
+from .runtime import NORM_CHANNEL, STATUS_CHANNEL, Runtime, end_failed, rows_of
 from .schedule import Action, Kind, lower, validate
 from .schedule.two_bw import two_bw, windows
 from .transport import Message, PendingRecv, TransportTimeout
@@ -93,6 +93,8 @@ class Stream:
         (NaN when the update did not clip, or there was none)."""
         self._norm = SpreadNorm(runtime.transport, NORM_CHANNEL, runtime.timeout, runtime.device)
         self._unread: dict[int, PendingRecv] = {}
+        self._posted: dict[int, PendingRecv] = {}
+        """The receives of the peers' news of the window under way (``_unread`` once it ends)."""
         self._status: list[float] = []
 
     @property
@@ -124,7 +126,7 @@ class Stream:
                     f"{work.microbatches} with torch.chunk); pass batches whose rows are a "
                     f"multiple of {self.microbatches}"
                 )
-            posted = self._post_news()
+            posted = self._posted = self._post_news()
         self.optimizer, self.max_norm = checked, max_norm
         flags = self.versions.requires_grad()  # as this mini-batch's forwards begin
         self._stale_flags = self.flags if self.flags != flags else None
@@ -139,7 +141,7 @@ class Stream:
         loss = math.nan
         if self.previous is not None:
             loss = self._read_news()
-        self._unread, self._status = posted, status
+        self._unread, self._posted, self._status = posted, {}, status
         self._post(self.windows["steady"], {0: work}, only=0)
         transport = self.runtime.transport
         for send in self._crossing["steady" if steady else "first"]:
@@ -386,11 +388,31 @@ class Stream:
         bad argument as it is (``raise_original``), else a StageFailure."""
         runtime = self.runtime
         runtime._notify(failure)
-        with contextlib.suppress(Exception):  # a peer that is gone cannot be told
-            runtime.transport.flush(min(runtime.timeout, NEWS_SECONDS))
+        seconds = min(runtime.timeout, NEWS_SECONDS)
+        end_failed(runtime.transport, self._ends(failure), seconds, lambda m: bool(m.error))
         if raise_original:
             return error
         return runtime._raise(failure, error)
+
+    def _ends(self, failure: Failed) -> dict[int, PendingRecv]:
+        """Over a rendezvous transport (see :func:`~asyncpipe.runtime.end_failed`), send
+        ``failure`` to every other rank where its news of this window would go, and return the
+        receives of theirs: a rank that failed as well (both refused a short last batch) says
+        so there at once, and takes none of this rank's notices. Each rank's messages on the
+        status channel are its news of every window it finished, then its failure; the
+        receives of the window under way are posted already once its arguments passed."""
+        transport, rank = self.runtime.transport, self.runtime.rank
+        if not transport.rendezvous:
+            return {}
+        posted, self._posted = self._posted, {}
+        notice = Message(0, 0, (), error=failure.encode())
+        ends: dict[int, PendingRecv] = {}
+        for peer in (r for r in range(transport.world_size) if r != rank):
+            with contextlib.suppress(Exception):  # a peer that is gone cannot be told
+                ends[peer] = posted.get(peer) or transport.recv(peer, STATUS_CHANNEL)
+            with contextlib.suppress(Exception):
+                transport.send(peer, STATUS_CHANNEL, notice)
+        return ends
 
     @contextlib.contextmanager
     def _versioned(self, action: Action, stale: int) -> Iterator[None]:

@@ -44,7 +44,10 @@ CASES = {
 @pytest.mark.parametrize("mode", list(CASES))
 def test_a_failure_ends_every_rank_with_a_clear_error(mode: str) -> None:
     culprit, own, others = CASES[mode]
-    ended = run_processes(JOB, 3, mode, TIMEOUT, timeout=120)
+    # late_send: rank 2 ends after rank 1's process has ended (see failure_job.py), which waits
+    # up to 2 s for the others' news first
+    grace = 20 if mode == "late_send" else 5
+    ended = run_processes(JOB, 3, mode, TIMEOUT, timeout=120, grace=grace)
     for process in ended:
         if process.rank == culprit and mode in ("kill", "exit"):
             assert process.code == (-9 if mode == "kill" else 1)

@@ -693,28 +693,28 @@ def test_timelines_count_training_steps_only(tmp_path: Path) -> None:
     assert [e.step for e in board.Images("timeline")] == [1, 5]
 
 
-def test_steps_after_close_are_not_traced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_steps_after_close_are_refused_and_not_traced(tmp_path: Path) -> None:
     """Steps after close() went on queueing for a writer that had ended: after 1024 of them
-    rank 0 raised that the writer was behind (and the other ranks timed out). Now no rank
-    traces them (a warning says so) and the pipeline goes on."""
-    import asyncpipe.trace.recorder as recorder
-
-    monkeypatch.setattr(recorder, "_BACKLOG", 2)
+    rank 0 raised that the writer was behind (and the other ranks timed out). close() now
+    ends the pipeline: a step after it raises on every rank, and the trace keeps the steps
+    before it."""
     model = mlp(2)
 
-    def fn(rank: int, transport: Transport) -> list[float]:
+    def fn(rank: int, transport: Transport) -> int:
         pipe = AsyncPipe(model, [1, 1], chunks=2, transport=transport, timeout=3, trace=tmp_path)
         x, y = torch.randn(4, 8), torch.randn(4, 8)
-        losses = [pipe.step(x, y, mse)]
+        pipe.step(x, y, mse)
         pipe.close()
-        losses += [pipe.step(x, y, mse) for _ in range(5)]
+        refused = 0
+        for _ in range(3):
+            with pytest.raises(RuntimeError, match="this pipeline was closed"):
+                pipe.step(x, y, mse)
+            refused += 1
         pipe.close()
         assert pipe._recorder is not None and pipe._recorder._queue.empty()
-        return losses
+        return refused
 
-    with pytest.warns(UserWarning, match=r"ran after pipe.close\(\).*not traced"):
-        results = values(run_threads(fn, 2))
-    assert all(len(v) == 6 for v in results)
+    assert values(run_threads(fn, 2)) == [3, 3]
     assert [s.step for s in load_steps(tmp_path)] == [0]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -69,6 +70,12 @@ class Transport(abc.ABC):
     """Whether receives may be posted ahead of time, in any number per channel. NCCL matches
     point-to-point operations between two ranks in posting order regardless of tags, so the
     p2p transport over NCCL posts each receive only when the runtime reaches it."""
+    rendezvous: bool = False
+    """Whether a send completes only once its receiver posts the matching receive, and a wait
+    for one that never does breaks the transport for good (p2p over gloo, which closes every
+    connection of the process group when a wait times out). A failed step then learns which
+    peers have ended theirs before it waits for its sends (see :meth:`flush_failed`); the
+    other transports deliver into the peer's ring or mailbox whether it reads or not."""
 
     @abc.abstractmethod
     def send(self, dst: int, channel: int, message: Message) -> None:
@@ -108,6 +115,17 @@ class Transport(abc.ABC):
         can take the receipt with it) is no failure here; it fails the next exchange with
         it, or that peer's own wait."""
         with contextlib.suppress(TransportTimeout, ConnectionError):
+            self.flush(timeout)
+
+    def flush_failed(self, timeout: float, ended: Collection[int] = ()) -> None:
+        """The flush of a failed step, which never raises: wait, at most ``timeout`` s, until
+        the sends started so far have been taken, but for those to the ranks in ``ended``,
+        which said that their own step has ended (failed, or done without this rank's
+        messages): they take no more messages of this pipeline, so a wait for them would only
+        time out (over gloo, closing the process group's connections for every later
+        collective). Those sends are let go without a wait; a transport that has to keep
+        them alive does so until :meth:`close`."""
+        with contextlib.suppress(Exception):  # a peer that is gone cannot be told
             self.flush(timeout)
 
     def check(self) -> None:  # noqa: B027 - optional hook

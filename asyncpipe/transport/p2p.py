@@ -31,10 +31,11 @@ transport's device.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -71,6 +72,9 @@ c)``, so two pipelines on one group never take each other's messages."""
 PIPELINES = 256
 """Pipelines numbered apart on one group (then the numbers wrap): gloo's tags are 32-bit
 signed integers, and ``3 * PIPELINES * CHANNELS`` stays below ``2**31``."""
+
+_Send = tuple[dist.Work | None, Tensor]
+"""A send begun: its work (None: nothing to wait for) and the tensor it sends from."""
 
 _SPARE_BUFFERS = 32
 """Packed buffers of one size kept for reuse once their sends completed (a fresh buffer's
@@ -178,6 +182,7 @@ class P2PTransport(GroupTransport):
         # the groups' own send and recv, skipping torch.distributed's per-call checks (tens of
         # microseconds each on a hop's critical path).
         self._direct = self.wire.type == "cpu"
+        self.rendezvous = self._direct  # gloo (see Transport.rendezvous)
         self._timedelta = (-1.0, datetime.timedelta(0))
         self._up = GroupRef(group)
         self._down = GroupRef(down_group if self.ordered else group)
@@ -194,9 +199,9 @@ class P2PTransport(GroupTransport):
         # the packed buffers of pending sends, by id (held, so that no id is reused)
         self._packed: dict[int, Tensor] = {}
         # sends not yet known to be taken, by (peer, channel, slot); buffers live until then
-        self._pending: dict[tuple[int, int, int], list[tuple[dist.Work | None, Tensor]]] = {}
-        # sends put off by defer() until the flush after the next one
-        self._deferred: list[tuple[dist.Work | None, Tensor]] = []
+        self._pending: dict[tuple[int, int, int], list[_Send]] = {}
+        # sends put off by defer() until the flush after the next one, by receiver
+        self._deferred: list[tuple[int, _Send]] = []
         # by (peer, channel, slot): the tensor sizes of the slot's last message received and
         # sent where it was large (each end keeps the same record of a slot; see _Lane). Two
         # tables: some channels carry messages both ways between two ranks.
@@ -204,7 +209,11 @@ class P2PTransport(GroupTransport):
         self._sent: dict[tuple[int, int, int], list[int]] = {}
         self._lanes: dict[tuple[int, int], _Lane] = {}
         self._stand_in: Tensor | None = None  # made when first needed (never over NCCL)
-        self._overdue: list[tuple[dist.Work | None, Tensor]] = []
+        self._overdue: list[tuple[int, _Send]] = []
+        # sends of a failed step that no peer will take (see flush_failed), kept until close():
+        # gloo reads and writes a message through its Work's buffer, and freeing one while its
+        # peer may still take it would stall every later message between the two ranks
+        self._let_go: list[_Send] = []
 
     @property
     def group(self) -> dist.ProcessGroup:
@@ -377,15 +386,36 @@ class P2PTransport(GroupTransport):
         self._wait_all(sends, timeout)
 
     def defer(self, dst: int, channel: int, slot: int) -> None:
-        self._deferred += self._pending.pop((dst, channel, slot), [])
+        self._deferred += [(dst, send) for send in self._pending.pop((dst, channel, slot), [])]
 
     def flush(self, timeout: float) -> None:
-        pending, self._pending = self._pending, {}
-        sends = self._overdue + [send for group in pending.values() for send in group]
+        sends = [send for _, send in self._owed()]
         self._overdue, self._deferred = self._deferred, []
         self._wait_all(sends, timeout)
 
-    def _wait_all(self, sends: list[tuple[dist.Work | None, Tensor]], timeout: float) -> None:
+    def flush_failed(self, timeout: float, ended: Collection[int] = ()) -> None:
+        """:meth:`flush` for a failed step. Gloo has no way to ask whether a send was taken
+        but a wait, and a wait that times out closes every connection of the process group;
+        so the sends to the ranks in ``ended`` (and those :meth:`defer` put off, which their
+        receivers would take only in a later step) are not waited for but kept, unfinished,
+        until :meth:`close`: a later pipeline numbers its messages apart, so they never match
+        its receives."""
+        owed = self._owed()
+        self._let_go += [send for _, send in self._deferred]
+        self._let_go += [send for peer, send in owed if peer in ended]
+        self._overdue, self._deferred = [], []
+        with contextlib.suppress(Exception):  # a peer that is gone cannot be told
+            self._wait_all([send for peer, send in owed if peer not in ended], timeout)
+
+    def _owed(self) -> list[tuple[int, _Send]]:
+        """The sends the next flush waits for, by receiver (taken out of the pending ones)."""
+        pending, self._pending = self._pending, {}
+        return self._overdue + [(key[0], send) for key, group in pending.items() for send in group]
+
+    def close(self) -> None:
+        self._let_go = []
+
+    def _wait_all(self, sends: list[_Send], timeout: float) -> None:
         deadline = time.monotonic() + timeout
         for work, tensor in sends:
             if work is None:
