@@ -381,11 +381,9 @@ def driver_worker_exits(rank: int, world: int) -> Any:
     return seen
 
 
-def driver_reused_last(rank: int, world: int) -> Any:
-    """A model whose last position reuses its first layer ([A, B, C, A], balance [2, 2]): its
-    last stage runs on rank 0. The driver sent the target to rank 1 (the loss failed: "the
-    target is None") and returned rank 1's output (None) from pipe(x). Also: data_parallel_size
-    is refused up front (the error blamed a transport the user never passed)."""
+def _driver_with_reused_first_layer(rank: int) -> tuple[nn.Module, Tensor, Tensor] | None:
+    """Start RPC; the workers serve (None), the driver gets [A, Tanh, Linear, A] (its last
+    stage, with balance [2, 2], on rank 0) and a batch."""
     asyncpipe.init(rpc=True)
     if rank != 0:
         asyncpipe.rpc.serve()
@@ -393,7 +391,18 @@ def driver_reused_last(rank: int, world: int) -> Any:
     torch.manual_seed(0)
     a = nn.Linear(8, 8)
     model = nn.Sequential(a, nn.Tanh(), nn.Linear(8, 8), a)
-    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    return model, torch.randn(8, 8), torch.randn(8, 8)
+
+
+def driver_reused_last(rank: int, world: int) -> Any:
+    """A model whose last position reuses its first layer ([A, B, C, A], balance [2, 2]): its
+    last stage runs on rank 0. The driver sent the target to rank 1 (the loss failed: "the
+    target is None") and returned rank 1's output (None) from pipe(x). Also: data_parallel_size
+    is refused up front (the error blamed a transport the user never passed)."""
+    made = _driver_with_reused_first_layer(rank)
+    if made is None:
+        return None
+    model, x, y = made
     want_loss, _ = reference(model, x, y, 2, mse)
     try:
         asyncpipe.rpc.RemotePipe(model, [2, 2], chunks=2, data_parallel_size=2)
@@ -426,14 +435,10 @@ def driver_refusals(rank: int, world: int) -> Any:
     model's."""
     import torch.distributed.rpc as rpc
 
-    asyncpipe.init(rpc=True)
-    if rank != 0:
-        asyncpipe.rpc.serve()
+    made = _driver_with_reused_first_layer(rank)
+    if made is None:
         return None
-    torch.manual_seed(0)
-    a = nn.Linear(8, 8)
-    model = nn.Sequential(a, nn.Tanh(), nn.Linear(8, 8), a)
-    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    model, x, y = made
     seen: dict[str, Any] = {"want": reference(model, x, y, 2, _tanh_mse)[0]}
     calls: list[str] = []
     real = rpc.rpc_async
