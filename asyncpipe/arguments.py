@@ -34,7 +34,7 @@ from .transport import Transport, TransportTimeout
 __all__: list[str] = []
 
 
-def _positive_int(value: object) -> bool:
+def positive_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
@@ -50,6 +50,23 @@ def _positive_number(value: object) -> bool:
 def _suggest(layers: int, stages: int) -> list[int]:
     base, extra = divmod(layers, max(stages, 1))
     return [base + (1 if s < extra else 0) for s in range(stages)]
+
+
+def balance_problem(balance: object, example: object) -> tuple[type[Exception], str] | None:
+    """What is wrong with ``balance`` as a list of layer counts, one per stage (its kind and
+    text; ``example``: a balance to suggest), or None."""
+    if not isinstance(balance, (list, tuple)) or not balance:
+        return TypeError, (
+            f"balance must be a non-empty list of positive ints, one per stage (got {balance!r}); "
+            f"e.g. balance={example}"
+        )
+    bad = [f"{n}: {b!r}" for n, b in enumerate(balance) if not positive_int(b)]
+    if bad:
+        return ValueError, (
+            f"every entry of balance must be a positive int, the number of layers of a stage "
+            f"(bad entries: {', '.join(bad)})"
+        )
+    return None
 
 
 def _compiled_whole(module: object) -> str | None:
@@ -116,27 +133,17 @@ def check_arguments(
         problems.append("module has no layers; a pipeline needs at least one layer per stage")
         kinds.append(ValueError)
 
-    if not isinstance(balance, (list, tuple)) or not balance:
+    shape = balance_problem(balance, _suggest(len(layers), 2))
+    if shape is not None:
+        kinds.append(shape[0])
+        problems.append(shape[1])
+    elif isinstance(balance, (list, tuple)) and layers and sum(balance) != len(layers):
         problems.append(
-            f"balance must be a non-empty list of positive ints, one per stage (got {balance!r}); "
-            f"e.g. balance={_suggest(len(layers), 2)}"
+            f"sum of balance must equal the number of layers (layers: {len(layers)}, sum of "
+            f"balance: {sum(balance)}); pass balance={_suggest(len(layers), len(balance))}"
         )
-        kinds.append(TypeError)
-    else:
-        bad = [f"{n}: {b!r}" for n, b in enumerate(balance) if not _positive_int(b)]
-        if bad:
-            problems.append(
-                f"every entry of balance must be a positive int, the number of layers of a stage "
-                f"(bad entries: {', '.join(bad)})"
-            )
-            kinds.append(ValueError)
-        elif layers and sum(balance) != len(layers):
-            problems.append(
-                f"sum of balance must equal the number of layers (layers: {len(layers)}, sum of "
-                f"balance: {sum(balance)}); pass balance={_suggest(len(layers), len(balance))}"
-            )
-            kinds.append(ValueError)
-    if not _positive_int(chunks):
+        kinds.append(ValueError)
+    if not positive_int(chunks):
         problems.append(
             f"chunks must be a positive int, the number of micro-batches (got {chunks!r})"
         )
@@ -173,7 +180,7 @@ def check_arguments(
                 )
                 kinds.append(ValueError)
             planned = 1 + max(a.microbatch for r in schedule.values() for a in r if a is not None)
-            if _positive_int(chunks) and chunks != planned:
+            if positive_int(chunks) and chunks != planned:
                 problems.append(
                     f"the schedule plan is for {planned} micro-batches but chunks={chunks}; pass "
                     f"chunks={planned} (or a plan over {chunks} micro-batches)"
@@ -185,7 +192,7 @@ def check_arguments(
             f"(got {schedule!r})"
         )
         kinds.append(ValueError)
-    if not _positive_int(virtual_stages):
+    if not positive_int(virtual_stages):
         problems.append(f"virtual_stages must be a positive int (got {virtual_stages!r})")
         kinds.append(ValueError)
     elif virtual_stages != 1 and schedule != "interleaved":
@@ -204,7 +211,7 @@ def check_arguments(
             f"{virtual_stages} (entries: {len(balance)})"
         )
         kinds.append(ValueError)
-    if not _positive_int(lookahead):
+    if not positive_int(lookahead):
         problems.append(
             f"lookahead must be a positive int, the micro-batches each rank's forwards run ahead "
             f"of the next rank's under schedule='2bw' (got {lookahead!r})"

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..arguments import balance_problem, positive_int
 from ..lazy import LazyModule
 from ..microbatch import as_tensors, scatter
 from ..partition import partition
@@ -70,10 +71,6 @@ def sendable(fn: Callable[..., Any], what: str) -> None:
         )
 
 
-def _positive_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
 def _layers(module: object) -> list[Any] | None:
     """The layers of an ``nn.Sequential`` or a layer list; None for anything else (the
     stages refuse it, with AsyncPipe's message)."""
@@ -97,23 +94,8 @@ def _balance_problems(balance: object, stages: int) -> list[Exception]:
                 f"every rank"
             )
         ]
-    if not isinstance(balance, (list, tuple)) or not balance:
-        return [
-            TypeError(
-                f"balance must be a non-empty list of positive ints, the layers of each stage, "
-                f"one entry per stage ({stages} here) (got {balance!r}); e.g. "
-                f"balance={[2] * stages}"
-            )
-        ]
-    bad = [f"{n}: {b!r}" for n, b in enumerate(balance) if not _positive_int(b)]
-    if bad:
-        return [
-            ValueError(
-                f"every entry of balance must be a positive int, the number of layers of a "
-                f"stage (bad entries: {', '.join(bad)})"
-            )
-        ]
-    return []
+    problem = balance_problem(balance, [2] * stages)
+    return [] if problem is None else [problem[0](problem[1])]
 
 
 def _shared_problems(
@@ -232,7 +214,7 @@ def check_remote(
             )
         )
     virtual = kwargs.get("virtual_stages", 1)
-    stages = world * virtual if _positive_int(virtual) else world
+    stages = world * virtual if positive_int(virtual) else world
     found = _balance_problems(balance, stages)
     problems += found
     layers = _layers(module)
