@@ -9,7 +9,8 @@ Example:
 
 from . import balance, checkpoint, partition, schedule, transport
 from .batchnorm import DeferredBatchNorm
-from .cut import CutPoint, sequentialize
+from .cut import sequentialize
+from .cutpoint import CutPoint
 from .failure import MismatchedBatch, StageFailure, StepReport
 from .group import init, shutdown
 from .lazy import LazyModule

@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import math
-import os
 import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .failure import StageFailure
 from .lazy import LazyModule
 from .partition import Layer
-from .precision import DTYPES
 from .recompute import POLICIES
 from .schedule import (
     NAMES,
@@ -28,8 +25,7 @@ from .schedule import (
     validate,
 )
 from .skip.routes import SkipRoutes, describe_routes
-from .trace import TraceWriter
-from .transport import Transport, TransportTimeout
+from .transport import TransportTimeout
 
 __all__: list[str] = []
 
@@ -99,7 +95,7 @@ def check_arguments(
     options: Sequence[str] = (),
 ) -> list[Layer]:
     """Every problem with the constructor's arguments at once, with the ``options`` problems
-    that :func:`option_problems` found, as one ValueError/TypeError."""
+    that :func:`~asyncpipe.options.option_problems` found, as one ValueError/TypeError."""
     problems: list[str] = []
     kinds: list[type[Exception]] = []
     layers: list[Layer] = []
@@ -286,152 +282,6 @@ def plan_factory(
         return lambda m: build("1f1b", ranks, m)
     name = str(schedule)
     return lambda m: build(name, ranks, m)
-
-
-def rpc_running() -> bool:
-    """Whether ``torch.distributed.rpc`` is set up in this process."""
-    from torch.distributed import rpc
-
-    try:
-        rpc.get_worker_info()
-    except RuntimeError:
-        return False
-    return True
-
-
-def _device(device: object) -> list[str]:
-    """What is wrong with ``device`` (None: the default)."""
-    if device is None:
-        return []
-    try:
-        where = torch.device(device)  # type: ignore[call-overload]
-    except (RuntimeError, TypeError) as e:
-        return [f"device must be a torch.device or its name, e.g. 'cuda:0' ({e})"]
-    if where.type == "cpu":
-        return []
-    if where.type != "cuda":
-        return [
-            f"device {str(where)!r} is not supported: a stage computes on 'cpu' or on a "
-            f"CUDA device ('cuda', 'cuda:0', ...); leave device out for the default"
-        ]
-    if not torch.cuda.is_available():
-        return [
-            f"device {str(where)!r} is a CUDA device, but this process sees no GPU (torch "
-            f"{torch.__version__}); leave device out, or pass device='cpu'"
-        ]
-    if where.index is not None and where.index >= torch.cuda.device_count():
-        return [
-            f"device {str(where)!r} does not exist: this process sees "
-            f"{torch.cuda.device_count()} GPU(s); pass one of cuda:0 to "
-            f"cuda:{torch.cuda.device_count() - 1}"
-        ]
-    return []
-
-
-def _positive_finite(value: object) -> bool:
-    """Whether ``value`` is a positive, finite int or float (not a bool)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    return math.isfinite(value) and value > 0
-
-
-def _trace_directory(path: str) -> list[str]:
-    """What keeps the trace from being written into ``path`` (nothing is created here)."""
-    if not path:
-        return ["trace must name a directory (got ''); pass e.g. trace='runs/exp1'"]
-    if os.path.exists(path) and not os.path.isdir(path):
-        return [f"trace must be a directory, but {path!r} is a file; pass another path"]
-    parent = os.path.abspath(path)
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        return [
-            f"trace directory {path!r} cannot be created: {parent!r} is a file; pass another path"
-        ]
-    if not os.access(parent, os.W_OK | os.X_OK):
-        return [f"trace directory {path!r} cannot be written: {parent!r} is not writable"]
-    return []
-
-
-def _processes(balance: object, virtual_stages: object) -> str:
-    """The number of processes ``balance`` asks for, for an error's hint ("N" if unclear)."""
-    if isinstance(balance, (list, tuple)) and balance and isinstance(virtual_stages, int):
-        return str(max(1, len(balance) // max(1, virtual_stages)))
-    return "N"
-
-
-def option_problems(
-    *,
-    transport: object,
-    balance: object,
-    virtual_stages: object,
-    timeout: object,
-    autocast: object,
-    loss_scale: object,
-    data_parallel_size: object,
-    shared_weights: bool,
-    trace: object,
-    trace_every: object,
-    device: object = None,
-) -> list[str]:
-    """Every problem with AsyncPipe's keyword options (for :func:`check_arguments`)."""
-    problems = _device(device)
-    if autocast is not None and autocast not in DTYPES:
-        problems.append(
-            f"autocast must be None, torch.bfloat16 or torch.float16 (got {autocast!r})"
-        )
-    if not (isinstance(data_parallel_size, int) and data_parallel_size >= 1):
-        problems.append(
-            f"data_parallel_size must be a positive integer (got {data_parallel_size!r})"
-        )
-    elif data_parallel_size > 1 and shared_weights:
-        problems.append(
-            "shared_weights with data_parallel_size > 1 is not supported yet; tie the "
-            "weights on one stage, or run one pipeline"
-        )
-    elif data_parallel_size > 1 and not isinstance(transport, str):
-        problems.append(
-            "data_parallel_size > 1 builds its own process groups; pass transport='p2p', "
-            "'shm' or 'rpc', not a Transport object"
-        )
-    if not _positive_finite(loss_scale):
-        problems.append(f"loss_scale must be a positive, finite number (got {loss_scale!r})")
-    if not _positive_finite(timeout):
-        problems.append(
-            f"timeout must be a positive, finite number of seconds (got {timeout!r}): every "
-            f"wait fails after it, naming the peer it waited for; pass e.g. timeout=600"
-        )
-    if not (trace is None or isinstance(trace, (str, os.PathLike, TraceWriter))):
-        problems.append(
-            f"trace must be a directory or a TraceWriter (got {type(trace).__name__}); pass "
-            f"e.g. trace='runs/exp1'"
-        )
-    elif isinstance(trace, (str, os.PathLike)):
-        problems += _trace_directory(os.fspath(trace))
-    if not (isinstance(trace_every, int) and trace_every > 0):
-        problems.append(f"trace_every must be a positive number of steps (got {trace_every!r})")
-    if isinstance(transport, str):
-        if transport not in ("p2p", "shm", "rpc"):
-            problems.append(
-                f"transport must be 'p2p', 'shm', 'rpc' or a Transport object (got {transport!r})"
-            )
-        elif not dist.is_initialized():
-            problems.append(
-                f"the {transport} transport needs torch.distributed: call asyncpipe.init("
-                f"{'rpc=True' if transport == 'rpc' else ''}) first and launch with "
-                f"torchrun, e.g. torchrun --standalone "
-                f"--nproc-per-node={_processes(balance, virtual_stages)} train.py"
-            )
-        elif transport == "rpc" and not rpc_running():
-            problems.append(
-                "the rpc transport needs torch.distributed.rpc: call asyncpipe.init(rpc=True) first"
-            )
-    elif not isinstance(transport, Transport):
-        problems.append(
-            f"transport must be 'p2p', 'shm', 'rpc' or a Transport object (got "
-            f"{type(transport).__name__})"
-        )
-    return problems
 
 
 def check_step(

@@ -30,6 +30,23 @@ it as often as the others, so the count (with torchrun's restart count) names ea
 keys alike on every rank."""
 
 
+def new_group(ranks: list[int], timeout: datetime.timedelta | None = None) -> dist.ProcessGroup:
+    """``torch.distributed.new_group(ranks)`` (collective over the world), then, over gloo and
+    on its members, a barrier over the new group: once it returns, every member has finished
+    connecting. Without it a rank that destroyed a group right after creating it (a constructor
+    failing next, see :func:`~asyncpipe.parallel.release`) closed the connections that a slower
+    member was still making, whose creation of the group then failed ("Gloo connectFullMesh
+    failed ... Connection closed by peer"). Ranks outside ``ranks`` get torch's placeholder."""
+    group: dist.ProcessGroup = dist.new_group(ranks, timeout=timeout)
+    if (
+        isinstance(group, dist.ProcessGroup)
+        and len(ranks) > 1
+        and dist.get_backend(group) == "gloo"
+    ):
+        dist.barrier(group=group)
+    return group
+
+
 def collective_device() -> torch.device:
     """Where the default process group's collectives take their tensors: the current CUDA
     device over NCCL, else host memory."""

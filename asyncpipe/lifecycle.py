@@ -98,6 +98,16 @@ class LifeCycle:
             raise
         self._runtime.stop_agreed = self._averager.stop_asked
 
+    def _abandon(self, transport: Transport, created: list[dist.ProcessGroup]) -> None:
+        """Release what the constructor connected before it failed: the transport it built
+        by name and the groups created so far (``created`` by ``connect()``, then those of
+        ``shared_weights`` if it got that far), as :meth:`close` would. Never raises."""
+        self._closed = True
+        if self._owns_transport:
+            with contextlib.suppress(Exception):
+                transport.close()
+        release(getattr(self, "_created", None) or [weakref.ref(g) for g in created])
+
     def close(self) -> None:
         """Drain the pipeline (see :meth:`flush`), finish the trace (rank 0 writes the last
         step, the Chrome trace and the timeline pictures), then release what the pipeline

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .failure import StageFailure, read_text, refusal, write_text
-from .group import GroupRef, collective_device, wait_at_most
+from .group import GroupRef, collective_device, new_group, wait_at_most
 from .transport import P2PTransport, RPCTransport, ShmTransport, Transport, TransportTimeout
 from .transport.rpc import worker_names
 
@@ -73,15 +73,15 @@ def groups(
     pipeline = data_parallel = second = None
     limit = group_timeout(timeout)
     for replica in range(layout.replicas):
-        group = dist.new_group(layout.pipeline_ranks(replica), timeout=limit)
+        group = new_group(layout.pipeline_ranks(replica), timeout=limit)
         if replica == layout.replica(rank):
             pipeline = group
     for stage in range(layout.stages):
-        group = dist.new_group(layout.data_parallel_ranks(stage), timeout=limit)
+        group = new_group(layout.data_parallel_ranks(stage), timeout=limit)
         if stage == layout.stage(rank):
             data_parallel = group
     for replica in range(layout.replicas if down else 0):
-        group = dist.new_group(layout.pipeline_ranks(replica), timeout=limit)
+        group = new_group(layout.pipeline_ranks(replica), timeout=limit)
         if replica == layout.replica(rank):
             second = group
     assert pipeline is not None and data_parallel is not None

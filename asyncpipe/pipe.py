@@ -15,7 +15,6 @@ from .arguments import (
     agree_routes,
     check_arguments,
     check_step,
-    option_problems,
     plan_factory,
     same_everywhere,
     world_mismatch,
@@ -30,6 +29,7 @@ from .lifecycle import LifeCycle
 from .manual import ManualBackward
 from .microbatch import Tensors, as_tensors, scatter
 from .names import layer_names, rename_loaded, rename_missing, rename_saved
+from .options import option_problems
 from .parallel import (
     GradientAverager,
     connect,
@@ -43,7 +43,8 @@ from .runtime import Runtime, refuse_exchange
 from .schedule import Action, Plan
 from .shared import SharedWeights, find_shared
 from .skip.routes import SkipRoutes, find_routes, has_skips
-from .stream import Stream, check_two_bw_options
+from .stage import build_layers
+from .stream import Stream, check_two_bw_transport
 from .trace import TraceWriter
 from .traced import TracedSteps
 from .transport import GroupTransport, Transport
@@ -175,15 +176,14 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, LifeCycle, nn.Modul
                 trace=trace,
                 trace_every=trace_every,
                 device=device,
+                reduce_activations=reduce_activations,
+                schedule=schedule,
+                chunks=chunks,
+                lookahead=lookahead,
             )
             layers = check_arguments(
                 module, balance, chunks, checkpoint, schedule, virtual_stages, lookahead, options
             )
-            if reduce_activations and autocast is None:
-                raise ValueError(
-                    "reduce_activations sends float32 activations in the autocast dtype; pass "
-                    "autocast=torch.bfloat16 (or float16) with it"
-                )
         except Exception:
             refuse(transport, device, timeout)  # the other ranks learn it at once
             raise
@@ -197,130 +197,133 @@ class AsyncPipe(DelayedUpdates, ManualBackward, TracedSteps, LifeCycle, nn.Modul
         transport, self.data_parallel_rank, data_parallel_group, created = connect(
             transport, ranks, self.data_parallel_size, self.device, float(timeout)
         )
-        self._averager: GradientAverager | None = None
-        self.transport = transport
-        self.balance = list(balance)
-        self.chunks = int(chunks)
-        self.checkpoint = checkpoint
-        self.schedule = schedule
-        self.lookahead = lookahead
-        """Micro-batches each rank's forwards run ahead of the next rank's (``"2bw"``)."""
-        self.timeout = float(timeout)
-        self.autocast = autocast
-        self.reduce_activations = bool(reduce_activations)
-        self.scaler = LossScaler(float(loss_scale)) if autocast is torch.float16 else None
-        self.overflow = False
-        """Whether the last step overflowed in float16 (its gradients were dropped everywhere);
-        a training ``pipe(input)`` after it sets it back to False."""
-        self.grad_norm = float("nan")
-        """The norm over every stage of the gradient that the last ``step(..., max_norm=...)``
-        (or ``flush()`` after it) clipped, before clipping; NaN when it clipped none (also
-        after a float16 step that overflowed: its gradients were dropped)."""
-        self.stage = transport.rank
-        self.num_stages = transport.world_size
-        self.virtual_stages = virtual_stages
-        try:  # this rank's own: a failure here reaches the others in agree() below
-            if transport.world_size * virtual_stages != len(balance):
-                raise ValueError(world_mismatch(transport.world_size, len(balance), virtual_stages))
-            partitions, segments = partition(layers, balance, transport.world_size)
-            self.partitions: list[Partition] = partitions
-            self.segments: list[Segment] = segments
-            self._build_stage(module, layers, deferred_batch_norm)  # the only build of its own
-            skips = has_skips(layers, list(self.layers))  # no other rank's LazyModule runs here
-            routes = find_routes(layers, segments) if skips else None  # else after agree()
-            built = {
-                inv.order: self.layers[inv.this.index] for inv in partitions[self.stage].invocations
+        try:  # a failure from here on releases what connect() created before it raises
+            self._averager: GradientAverager | None = None
+            self.transport = transport
+            self.balance = list(balance)
+            self.chunks = int(chunks)
+            self.checkpoint = checkpoint
+            self.schedule = schedule
+            self.lookahead = lookahead
+            """Micro-batches each rank's forwards run ahead of the next rank's (``"2bw"``)."""
+            self.timeout = float(timeout)
+            self.autocast = autocast
+            self.reduce_activations = bool(reduce_activations)
+            self.scaler = LossScaler(float(loss_scale)) if autocast is torch.float16 else None
+            self.overflow = False
+            """Whether the last step overflowed in float16 (its gradients were dropped everywhere);
+            a training ``pipe(input)`` after it sets it back to False."""
+            self.grad_norm = float("nan")
+            """The norm over every stage of the gradient that the last ``step(..., max_norm=...)``
+            (or ``flush()`` after it) clipped, before clipping; NaN when it clipped none (also
+            after a float16 step that overflowed: its gradients were dropped)."""
+            self.stage = transport.rank
+            self.num_stages = transport.world_size
+            self.virtual_stages = virtual_stages
+            try:  # this rank's own: a failure here reaches the others in agree() below
+                if transport.world_size * virtual_stages != len(balance):
+                    raise ValueError(
+                        world_mismatch(transport.world_size, len(balance), virtual_stages)
+                    )
+                partitions, segments = partition(layers, balance, transport.world_size)
+                self.partitions: list[Partition] = partitions
+                self.segments: list[Segment] = segments
+                self._build_stage(module, layers, deferred_batch_norm)  # the only build of its own
+                skips = has_skips(layers, list(self.layers))  # no other rank's LazyModule runs here
+                routes = find_routes(layers, segments) if skips else None  # else after agree()
+                built = {
+                    inv.order: self.layers[inv.this.index]
+                    for inv in partitions[self.stage].invocations
+                }
+                shared = find_shared(shared_weights, layers, partitions, self.stage, built)
+                owners = [seg.stage for seg in segments]
+                plan = plan_factory(schedule, owners, transport.world_size, virtual_stages)
+            except Exception as e:
+                refuse_exchange(
+                    transport, f"{type(e).__name__}: {e}", refusal_seconds(self.timeout)
+                )
+                raise
+            fields = same_everywhere(self, layers, schedule, shared_weights, trace is not None)
+            local = {
+                seg.index: [self.layers[inv.this.index] for inv in seg.invocations]
+                for seg in segments
+                if seg.stage == self.stage
             }
-            shared = find_shared(shared_weights, layers, partitions, self.stage, built)
-            owners = [seg.stage for seg in segments]
-            plan = plan_factory(schedule, owners, transport.world_size, virtual_stages)
-        except Exception as e:
-            refuse_exchange(transport, f"{type(e).__name__}: {e}", refusal_seconds(self.timeout))
+            global_rank = (
+                {r: transport.global_rank(r) for r in range(transport.world_size)}
+                if isinstance(transport, GroupTransport)
+                else None
+            )
+            self._runtime = Runtime(  # its skip routes are set once every rank has agreed
+                self.stage, local, owners, plan, transport, self.timeout, self.device
+            )
+            # before anything waits on the others; it tells every rank whether any saw a skip
+            if any(agree(self._runtime.exchange, self.stage, fields, extra=float(skips))):
+                routes = agree_routes(  # then check the skips' routes in one more exchange
+                    self._runtime.exchange,
+                    self.stage,
+                    routes,
+                    lambda: find_routes(layers, segments),  # other ranks' LazyModules on meta
+                    lambda text: refuse_exchange(transport, text, refusal_seconds(self.timeout)),
+                )
+            self._runtime.routes = self.skip_routes = routes if routes is not None else SkipRoutes()
+            if data_parallel_group is not None:  # and across the replicas of this stage
+                same_replicas(
+                    fields,
+                    data_parallel_group,
+                    self.data_parallel_size,
+                    self.data_parallel_rank,
+                    self.timeout,
+                )
+            if isinstance(schedule, dict):  # the same plan everywhere now: it fails alike, or runs
+                self._runtime.check_fixed_plan(self.chunks)
+            self._shared = SharedWeights(shared, self.stage, global_rank, self.timeout)
+            self._created = [*map(weakref.ref, created), *self._shared.created]
+            """The process groups this pipeline created (weakly: torch.distributed owns them, see
+            :class:`~asyncpipe.group.GroupRef`), which :meth:`close` destroys."""
+            if data_parallel_group is not None:
+                self._averager = GradientAverager(
+                    list(self.parameters()),
+                    data_parallel_group,
+                    self.data_parallel_size,
+                    self.device,
+                    timeout=self.timeout,
+                    replica=self.data_parallel_rank,
+                    stage=self.stage,
+                )
+                self._runtime.after_backward = self._averager.start
+            self._start_trace(trace, trace_every, schedule, virtual_stages, transport)
+            self._stream: Stream | None = None
+            if schedule == "2bw":
+                check_two_bw_transport(transport)
+                self._stream = Stream(
+                    self._runtime, list(self.parameters()), len(segments), chunks, lookahead
+                )
+            self._last_segment = len(segments) - 1
+            self._first_rank = segments[0].stage
+            self._last_rank = segments[-1].stage
+            self._pending: Work | None = None
+            self._broken: StageFailure | None = None
+            self.last_step: StepReport | None = None
+            self._closed = False
+        except BaseException:
+            self._abandon(transport, created)
             raise
-        fields = same_everywhere(self, layers, schedule, shared_weights, trace is not None)
-        local = {
-            seg.index: [self.layers[inv.this.index] for inv in seg.invocations]
-            for seg in segments
-            if seg.stage == self.stage
-        }
-        global_rank = (
-            {r: transport.global_rank(r) for r in range(transport.world_size)}
-            if isinstance(transport, GroupTransport)
-            else None
-        )
-        self._runtime = Runtime(  # its skip routes are set once every rank has agreed
-            self.stage, local, owners, plan, transport, self.timeout, self.device
-        )
-        # before anything waits on the others; it tells every rank whether any saw a skip
-        if any(agree(self._runtime.exchange, self.stage, fields, extra=float(skips))):
-            routes = agree_routes(  # then check the skips' routes in one more exchange
-                self._runtime.exchange,
-                self.stage,
-                routes,
-                lambda: find_routes(layers, segments),  # other ranks' LazyModules on meta
-                lambda text: refuse_exchange(transport, text, refusal_seconds(self.timeout)),
-            )
-        self._runtime.routes = self.skip_routes = routes if routes is not None else SkipRoutes()
-        if data_parallel_group is not None:  # and across the replicas of this stage
-            same_replicas(
-                fields,
-                data_parallel_group,
-                self.data_parallel_size,
-                self.data_parallel_rank,
-                self.timeout,
-            )
-        if isinstance(schedule, dict):  # the same plan everywhere now: it fails alike, or runs
-            self._runtime.check_fixed_plan(self.chunks)
-        self._shared = SharedWeights(shared, self.stage, global_rank, self.timeout)
-        self._created = [*map(weakref.ref, created), *self._shared.created]
-        """The process groups this pipeline created (weakly: torch.distributed owns them, see
-        :class:`~asyncpipe.group.GroupRef`), which :meth:`close` destroys."""
-        if data_parallel_group is not None:
-            self._averager = GradientAverager(
-                list(self.parameters()),
-                data_parallel_group,
-                self.data_parallel_size,
-                self.device,
-                timeout=self.timeout,
-                replica=self.data_parallel_rank,
-                stage=self.stage,
-            )
-            self._runtime.after_backward = self._averager.start
-        self._start_trace(trace, trace_every, schedule, virtual_stages, transport)
-        self._stream: Stream | None = None
-        if schedule == "2bw":
-            check_two_bw_options(self, shared_weights)
-            self._stream = Stream(
-                self._runtime, list(self.parameters()), len(segments), chunks, lookahead
-            )
-        self._last_segment = len(segments) - 1
-        self._first_rank = segments[0].stage
-        self._last_rank = segments[-1].stage
-        self._pending: Work | None = None
-        self._broken: StageFailure | None = None
-        self.last_step: StepReport | None = None
-        self._closed = False
 
     def _build_stage(self, module: object, layers: list[Layer], deferred_batch_norm: bool) -> None:
         """Build this rank's layers (LazyModules built here, BatchNorm deferred, moved to the
         device) and set the attributes of the local stage."""
         mine = self.partitions[self.stage]
-        built = [layer.build() if isinstance(layer, LazyModule) else layer for layer in mine.layers]
         self.deferred_batch_norm = bool(deferred_batch_norm)
-        if self.deferred_batch_norm:  # each call of a BatchNorm is a use, committed on its own
-            names = layer_names(module, len(layers))
-            runs: list[list[tuple[int, str]]] = [[] for _ in built]
-            for seg in self.segments:
-                for inv in seg.invocations:
-                    if inv.this.stage == self.stage:
-                        runs[inv.this.index].append((seg.index, names[inv.order]))
-            built = DeferredBatchNorm._convert_stage(built, self.chunks, runs)
-        self.layers = nn.ModuleList(built)
-        if self.device.type == "cuda":
-            self.layers.to(self.device)  # in place: the caller's layer objects stay the same
         self.layer_names: list[str] = layer_names(module, len(layers))
         """The name of every position of the model, in order (``nn.Sequential`` keys, or
         ``"0"``, ``"1"``, ... for a list): the prefixes of :meth:`state_dict` keys."""
+        built = build_layers(
+            mine, self.segments, self.layer_names, self.chunks, self.deferred_batch_norm
+        )
+        self.layers = nn.ModuleList(built)
+        if self.device.type == "cuda":
+            self.layers.to(self.device)  # in place: the caller's layer objects stay the same
         self.local_names: list[list[str]] = [[] for _ in built]
         """For each local layer, the names of the positions where it runs (several for a
         reused layer); its state is saved under each."""

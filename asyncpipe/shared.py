@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .group import GroupRef
+from .group import GroupRef, new_group
 from .lazy import LazyModule
 from .partition import Layer, Partition
 
@@ -174,7 +174,7 @@ class SharedWeights:
                         f"{list(found.owners)}) are kept equal over torch.distributed: pass "
                         f"transport='p2p' or 'shm' (not 'rpc' or an in-process transport)"
                     )
-                process_group = dist.new_group(
+                process_group = new_group(
                     [global_rank[s] for s in found.owners], timeout=timedelta(seconds=timeout)
                 )
             # ranks outside ``owners`` get a placeholder from new_group, and no local copies

@@ -24,7 +24,6 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import torch
 from torch import nn
@@ -32,11 +31,12 @@ from torch import nn
 from .blame import NEWS_SECONDS, OK, PEER_ERRORS
 from .failure import Failed, MismatchedBatch, StepReport
 from .labels import profiler_range
+from .options import IN_ORDER
 from .precision import SpreadNorm
 from .runtime import NORM_CHANNEL, STATUS_CHANNEL, Runtime, end_failed, rows_of
 from .schedule import Action, Kind, lower, validate
 from .schedule.two_bw import two_bw, windows
-from .transport import Message, PendingRecv, TransportTimeout
+from .transport import Message, PendingRecv, Transport, TransportTimeout
 from .versions import WeightVersions
 from .work import Work
 
@@ -460,31 +460,7 @@ def _crossing(
     return out
 
 
-def check_two_bw_options(pipe: Any, shared_weights: object) -> None:
-    """Every option that ``schedule="2bw"`` cannot run with, at once, as one ValueError."""
-    problems = []
-    ranks, lookahead = pipe.num_stages, pipe.lookahead
-    need = lookahead * (ranks - 1)
-    if pipe.chunks < need:
-        rule = "stages - 1" if lookahead == 1 else f"lookahead * (stages - 1) = {need}"
-        problems.append(
-            f"schedule '2bw' needs chunks >= {rule} so that a rank holds at most two weight "
-            f"versions (stages: {ranks}, chunks: {pipe.chunks}); pass chunks={max(need, 1)}"
-            + (" or a smaller lookahead" if lookahead > 1 else "")
-        )
-    if pipe.data_parallel_size != 1:
-        problems.append("schedule '2bw' runs one pipeline; pass data_parallel_size=1")
-    if shared_weights:
-        problems.append("schedule '2bw' does not tie weights across stages; pass no shared_weights")
-    if pipe.scaler is not None:
-        problems.append(
-            "schedule '2bw' has no float16 loss scaling; pass autocast=torch.bfloat16 or None"
-        )
-    if not pipe._runtime.transport.early_receives:
-        problems.append(
-            "schedule '2bw' posts receives ahead of their turn, which a transport that matches "
-            "messages in posting order (p2p over NCCL) cannot take; pass transport='rpc' or "
-            "use the gloo backend"
-        )
-    if problems:
-        raise ValueError("; ".join(problems))
+def check_two_bw_transport(transport: Transport) -> None:
+    """Refuse, for ``schedule="2bw"``, a transport that cannot post receives ahead."""
+    if not transport.early_receives:
+        raise ValueError(IN_ORDER)

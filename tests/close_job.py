@@ -115,3 +115,32 @@ def many_pipelines(rank: int, world: int, kind: str) -> dict[str, Any]:
         "grad_error": max(errors, default=0.0),
         "grads": len(errors),
     }
+
+
+def _broken_layer() -> nn.Module:
+    raise RuntimeError("this layer cannot be built")
+
+
+def refused_pipelines(rank: int, world: int) -> dict[str, Any]:
+    """Build :data:`PIPELINES` data-parallel pipelines whose constructor fails after it has
+    created its groups (a LazyModule that cannot be built), then one that works. Returns the
+    resource counts after each failure, the errors, and the working pipeline's loss error."""
+    from asyncpipe import LazyModule
+
+    counts, errors = [], []
+    for _ in range(PIPELINES):
+        layers = [*_model()[:3], LazyModule(_broken_layer)]
+        try:
+            AsyncPipe(layers, [4], chunks=2, timeout=30, data_parallel_size=2)
+        except RuntimeError as e:
+            errors.append(str(e))
+        counts.append(_counts())
+    data = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 16, generator=data), torch.randn(8, 16, generator=data)
+    model = _model()
+    plain = copy.deepcopy(model)
+    pipe = AsyncPipe(model, [4], chunks=2, timeout=30, data_parallel_size=2)
+    loss = pipe.step(x, y, nn.functional.mse_loss)
+    pipe.close()
+    expected = nn.functional.mse_loss(plain(x), y).item()
+    return {"counts": counts, "errors": errors, "loss_error": abs(loss - expected)}

@@ -968,3 +968,44 @@ def check_two_pipelines(results: list[dict[str, Any]]) -> None:
     # at least the rank that waited first says so (over gloo its timeout closes the pair, which
     # the other sees as a lost connection)
     assert any("sent nothing" in out["crossed"][0][1] for out in results), results
+
+
+def closed_down_group(rank: int, world: int) -> dict[str, Any]:
+    """An ordered transport over the world creates its own down group and close() destroys
+    it; a down group passed in stays the caller's. Returns whether each group still works."""
+    import gc
+
+    import torch.distributed as dist
+
+    from asyncpipe.transport import Message
+
+    def used(transport: P2PTransport) -> list[float]:
+        peer = 1 - transport.rank
+        pending = transport.recv(peer, 3)
+        transport.send(peer, 3, Message(0, 1, (torch.full((2,), float(rank)),)))
+        got = pending.wait(30).tensors[0]
+        transport.flush(30)
+        assert got is not None
+        return got.tolist()
+
+    made = P2PTransport(ordered=True)
+    got = used(made)
+    own = made.down_group
+    made.close()
+    del own
+    gc.collect()
+    try:
+        destroyed = f"still there: {made.down_group}"
+    except RuntimeError as e:
+        destroyed = str(e)
+    given = dist.new_group([0, 1])
+    kept = P2PTransport(ordered=True, down_group=given)
+    got_kept = used(kept)
+    kept.close()
+    return {
+        "got": got,
+        "destroyed": destroyed,
+        "kept": got_kept,
+        "given_alive": dist.get_process_group_ranks(given) == [0, 1],
+        "after": used(P2PTransport(ordered=True, down_group=given)),
+    }

@@ -269,6 +269,30 @@ def test_lookahead_is_checked_before_any_message() -> None:
         assert "pass chunks=6 or a smaller lookahead" in text
 
 
+def test_every_option_2bw_cannot_run_with_is_refused_before_any_message() -> None:
+    # no torch.distributed here: each problem is found from the arguments alone, all at once
+    with pytest.raises(ValueError) as raised:
+        AsyncPipe(
+            model(),
+            [2, 2, 2, 2],
+            chunks=2,
+            schedule="2bw",
+            data_parallel_size=2,
+            shared_weights=["0.weight"],
+            autocast=torch.float16,
+        )
+    text = str(raised.value)
+    for part in (
+        "chunks >= stages - 1 so that a rank holds at most two weight versions (stages: 4, "
+        "chunks: 2); pass chunks=3",
+        "schedule '2bw' runs one pipeline; pass data_parallel_size=1",
+        "schedule '2bw' does not tie weights across stages",
+        "schedule '2bw' has no float16 loss scaling",
+        "the p2p transport needs torch.distributed",
+    ):
+        assert part in text, text
+
+
 def test_a_flush_in_the_middle_restarts_the_delayed_rule() -> None:
     got, pipes = run_two_bw([2, 2, 2, 2], 4, "except_last", 6, flush_after={2, 5})
     want, plain = delayed_reference(model(), batches(6), 4, {2, 5})

@@ -10,8 +10,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from asyncpipe import AsyncPipe, StageFailure
-from asyncpipe.cut import CutPoint, sequentialize
+from asyncpipe import AsyncPipe, CutPoint, StageFailure, sequentialize
 from asyncpipe.transport import Transport
 from tests.test_2bw import adam, assert_same, batches, delayed_reference, model, mse
 from tests.threads import run_threads, values

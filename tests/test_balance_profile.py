@@ -14,8 +14,9 @@ from spawn import run_ranks
 from torch import Tensor, nn
 
 from asyncpipe import balance
-from asyncpipe.arguments import check_arguments, option_problems
+from asyncpipe.arguments import check_arguments
 from asyncpipe.balance import LayerProfile, Link, Profile
+from asyncpipe.options import option_problems
 from asyncpipe.partition import partition
 
 

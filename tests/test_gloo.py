@@ -8,6 +8,7 @@ from gloo_workers import (
     check_errors,
     check_failed_constructor,
     check_two_pipelines,
+    closed_down_group,
     directions,
     dropout,
     early_tensors,
@@ -108,6 +109,14 @@ def test_ordered_mode_sends_each_direction_in_its_own_group() -> None:
         assert result["got"] == [[float(neighbour)] * 3] * 2, (rank, result)
         assert result["groups"] == [pipeline, pipeline] and result["distinct"], (rank, result)
         assert "pass it as down_group" in result["refused"], (rank, result)
+
+
+def test_close_destroys_the_down_group_the_ordered_transport_made_and_no_other() -> None:
+    for rank, result in enumerate(run_ranks(closed_down_group, 2, timeout=120)):
+        peer = [float(1 - rank)] * 2
+        assert result["got"] == result["kept"] == result["after"] == peer, (rank, result)
+        assert "was destroyed" in result["destroyed"], (rank, result)
+        assert result["given_alive"], (rank, result)
 
 
 def test_tuples_lazy_modules_reuse_forward_and_inference() -> None:

@@ -12,9 +12,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..arguments import option_problems
+from ..arguments import positive_int
 from ..failure import read_text, refusal, write_text
 from ..lazy import LazyModule
+from ..options import option_problems
 from ..parallel import _REFUSED as REFUSED
 from ..parallel import AUTO, timed_wait
 from ..transport import GroupTransport, Transport
@@ -60,7 +61,7 @@ def auto_balance(
         problems.append("balance='auto' runs every layer, so it cannot take LazyModules")
     if not layers:
         problems.append("balance='auto' needs an nn.Sequential or a list of layers")
-    if not _positive_int(virtual_stages):  # as check_arguments says it
+    if not positive_int(virtual_stages):  # as check_arguments says it
         problems.append(f"virtual_stages must be a positive int (got {virtual_stages!r})")
     problems += option_problems(  # those of the options that balance='auto' uses
         transport=transport,
@@ -145,10 +146,6 @@ def mixed_balance(auto: list[int], listed: list[int]) -> str:
         f"{'pass' if len(auto) > 1 else 'passes'} balance='auto' and {ranks(listed)} a list; "
         f"pass balance='auto' (with sample=) on every rank, or the same list on every rank"
     )
-
-
-def _positive_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _pipeline_group(transport: object) -> tuple[dist.ProcessGroup | None, list[int]] | None:

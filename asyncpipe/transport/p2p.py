@@ -35,6 +35,7 @@ import contextlib
 import datetime
 import re
 import time
+import weakref
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
@@ -42,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..group import GroupRef
+from ..group import GroupRef, new_group
 from .base import GroupTransport, Message, PeerLost, PendingRecv, TransportTimeout
 from .frame import (
     EARLY,
@@ -94,7 +95,7 @@ def _down_group(group: dist.ProcessGroup | None, ranks: list[int]) -> dist.Proce
             "with a pipeline group smaller than the world, create a second group over the same "
             "ranks on every rank and pass it as down_group"
         )
-    down: dist.ProcessGroup = dist.new_group(ranks)
+    down = new_group(ranks)
     return down
 
 
@@ -145,7 +146,8 @@ class P2PTransport(GroupTransport):
         down_group: the group for messages to lower ranks in ordered mode, over the same ranks
             as ``group``. Created here when not given, which is collective over the whole
             world: with several pipelines (data parallelism), create one per pipeline on every
-            rank and pass it.
+            rank and pass it. One created here is destroyed by :meth:`close`; one passed in
+            stays the caller's.
         pipeline: the number of this pipeline among those on ``group`` (the same on every
             rank): pipelines with different numbers keep their messages apart (their tags
             differ). ``AsyncPipe`` numbers the pipelines it builds by name in the order every
@@ -176,8 +178,10 @@ class P2PTransport(GroupTransport):
         self.ordered = nccl if ordered is None else ordered
         self.early_receives = self.packs = not self.ordered
         self.wire = self.device if nccl else torch.device("cpu")  # where messages live
-        if self.ordered:
-            down_group = down_group or _down_group(group, self._ranks)
+        self._made: list[weakref.ref[dist.ProcessGroup]] = []  # destroyed by close()
+        if self.ordered and down_group is None:
+            down_group = _down_group(group, self._ranks)
+            self._made.append(weakref.ref(down_group))
         # Held weakly (torch.distributed owns groups; see GroupRef). Host memory (gloo): call
         # the groups' own send and recv, skipping torch.distributed's per-call checks (tens of
         # microseconds each on a hop's critical path).
@@ -413,7 +417,15 @@ class P2PTransport(GroupTransport):
         return self._overdue + [(key[0], send) for key, group in pending.items() for send in group]
 
     def close(self) -> None:
+        """Drop the sends kept since a failed step, and destroy the down group this transport
+        created (ordered mode without a ``down_group`` passed in), on this rank alone."""
         self._let_go = []
+        made, self._made = self._made, []
+        for ref in made:
+            group = ref()
+            if group is not None:
+                with contextlib.suppress(ValueError, RuntimeError):  # destroyed already
+                    dist.destroy_process_group(group)
 
     def _wait_all(self, sends: list[_Send], timeout: float) -> None:
         deadline = time.monotonic() + timeout
