@@ -25,6 +25,7 @@ import copy
 import json
 import os
 import re
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -32,10 +33,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..blame import NEWS_SECONDS, PEER_ERRORS
 from ..pipe import AsyncPipe
 from ..runtime import CHECKPOINT_CHANNEL
 from ..shared import layer_parameter_names
-from ..transport import Message
+from ..transport import Message, PeerLost, TransportTimeout
 
 __all__: list[str] = []
 
@@ -191,18 +193,34 @@ def _exchange(pipe: AsyncPipe, error: str | None, step: int, done: str = "saved"
     """Every rank tells rank 0 how its part of saving (or loading, ``done="loaded"``) ``step``
     went; rank 0 answers with the verdict (:func:`_answer`). Returns the problems reported
     (rank 0 adds its own, and ranks that ``done`` another step), or None when all went well."""
-    transport, timeout = pipe.transport, pipe.timeout
+    transport, timeout, world = pipe.transport, pipe.timeout, pipe.transport.world_size
     ok = (torch.tensor([float(step)], dtype=torch.float64),)
     if transport.rank != 0:
         transport.send(0, CHECKPOINT_CHANNEL, Message(0, 1, ok, error=error))
-        answer = transport.recv(0, CHECKPOINT_CHANNEL).wait(timeout)
+        waits = timeout + min(timeout, NEWS_SECONDS)  # rank 0 may wait `timeout` for a rank
+        try:
+            answer = transport.recv(0, CHECKPOINT_CHANNEL).wait(waits)
+        except PEER_ERRORS as e:  # rank 0 waits for every rank first: the fault may be theirs
+            lost = isinstance(e, ConnectionError)
+            how = "lost rank 0" if lost else f"timed out after {waits:.1f} s"
+            text = (
+                f"rank {transport.rank} {how} waiting for rank 0's verdict on the checkpoint, "
+                f"which rank 0 gives once every rank told it how its part went (waiting up to "
+                f"{timeout:.1f} s for them): a rank slow, stuck or gone may be at fault, not "
+                f"rank 0; rank 0's error names any that did not answer (raise the pipeline's "
+                f"timeout if their work really takes longer)"
+            )
+            raise (PeerLost(text, 0) if lost else TransportTimeout(text)) from e
         # rank 0 answers after it took every rank's part; it may exit at once (GracefulStop)
         transport.flush_received(timeout)
         return answer.error
     problems = [f"rank 0: {error}"] if error else []
-    for peer in range(1, transport.world_size):
+    # all posted at once, waited for against one deadline: the verdict comes within ``waits``
+    pending = {peer: transport.recv(peer, CHECKPOINT_CHANNEL) for peer in range(1, world)}
+    deadline = time.monotonic() + timeout
+    for peer, receive in pending.items():
         try:
-            message = transport.recv(peer, CHECKPOINT_CHANNEL).wait(timeout)
+            message = receive.wait(max(deadline - time.monotonic(), 0.1))
         except Exception as e:
             problems.append(f"rank {peer}: no answer ({e})")
             continue
@@ -221,12 +239,10 @@ def _exchange(pipe: AsyncPipe, error: str | None, step: int, done: str = "saved"
 def _answer(pipe: AsyncPipe, verdict: str | None) -> None:
     """Rank 0 tells every other rank the verdict of :func:`_exchange`."""
     transport = pipe.transport
+    news = Message(0, 1, (torch.zeros(1),), error=verdict)
     for peer in range(1, transport.world_size):
-        try:
-            news = Message(0, 1, (torch.zeros(1),), error=verdict)
+        with contextlib.suppress(Exception):  # a rank that is gone learns nothing, needs nothing
             transport.send(peer, CHECKPOINT_CHANNEL, news)
-        except Exception:  # noqa: S112 - a rank that is gone learns nothing, and needs nothing
-            continue
     # A peer that took the verdict may end its process at once (GracefulStop exits): over
     # rpc the receipt of the send then never comes back, which is no failure of the save.
     with contextlib.suppress(Exception):

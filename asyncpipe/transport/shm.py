@@ -219,7 +219,9 @@ class ShmTransport(GroupTransport):
             raise ConnectionError(
                 f"rank {self.rank} could not set up the shm transport with the other ranks: "
                 f"its set-up is collective, so every rank of the pipeline must build it "
-                f"(transport='shm') at the same time ({str(e).splitlines()[0] if str(e) else e!r})"
+                f"(transport='shm') at the same time, and none may exit meanwhile (gloo cannot "
+                f"say which did: look for the rank that failed first) "
+                f"({str(e).splitlines()[0] if str(e) else e!r})"
             ) from e
         return values
 
@@ -253,18 +255,15 @@ class ShmTransport(GroupTransport):
         def ring(src: int, dst: int) -> str:
             return f"asyncpipe-{token}-{src}-{dst}"
 
-        created: list[Ring | Doorbell] = []
         try:
-            self._check(group, "create", lambda: self._create(ring, token, peers, created))
-        except BaseException:  # failed here or elsewhere: drop what this rank made
-            for thing in created:
-                thing.unlink()
-            raise
-        try:
+            self._check(group, "create", lambda: self._create(ring, token, peers))
             self._check(group, "open", lambda: self._open(ring, token, peers))
+        except ConnectionError as e:  # the group broke: most likely a rank is gone
+            raise self._lost(pids, e) from e
         finally:
-            # every rank has opened every name (or gives up): drop them all, whoever is first,
-            # so none outlives the transport's construction on any rank
+            # every rank has opened every name, or the set-up failed here or elsewhere: drop
+            # them all, whoever is first (a rank killed after it made its own names cannot
+            # drop them), so none outlives the transport's construction on any rank
             for src in range(self.world_size):
                 unlink_doorbell(f"/asyncpipe-{token}-{src}")
                 for dst in range(self.world_size):
@@ -272,18 +271,30 @@ class ShmTransport(GroupTransport):
                         unlink_segment(ring(src, dst))
         return pids
 
-    def _create(
-        self,
-        ring: Callable[[int, int], str],
-        token: str,
-        peers: list[int],
-        created: list[Ring | Doorbell],
-    ) -> None:
+    def _lost(self, pids: list[int], error: ConnectionError) -> ConnectionError:
+        """The error for a set-up whose process group broke: a PeerLost naming the ranks whose
+        processes are gone, where any is seen to be within a second (gloo says only that a
+        connection closed, not whose), else ``error``."""
+        deadline = time.monotonic() + _LIVENESS
+        while True:
+            gone = [r for r, pid in enumerate(pids) if pid and r != self.rank and not alive(pid)]
+            if gone or time.monotonic() >= deadline:
+                break
+            time.sleep(_SLICE)
+        if not gone:
+            return error
+        names = ", ".join(f"rank {r} (process {pids[r]})" for r in gone)
+        return PeerLost(
+            f"the shm transport's set-up is collective, but {names} exited during it, so rank "
+            f"{self.rank} could not finish it; see why in that rank's output, then start the "
+            f"job again on every rank",
+            gone[0],
+        )
+
+    def _create(self, ring: Callable[[int, int], str], token: str, peers: list[int]) -> None:
         for src in peers:
             self._in[src] = Ring(ring(src, self.rank), self.ring_bytes, create=True)
-            created.append(self._in[src])
         self._bell = Doorbell(f"/asyncpipe-{token}-{self.rank}", create=True)
-        created.append(self._bell)
 
     def _open(self, ring: Callable[[int, int], str], token: str, peers: list[int]) -> None:
         for dst in peers:
