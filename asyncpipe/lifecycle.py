@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn, SupportsIndex
 
 from .failure import StageFailure
 from .parallel import release
@@ -25,6 +25,14 @@ if TYPE_CHECKING:
     from .transport import Transport
 
 __all__: list[str] = []
+
+_NOT_COPIED = (
+    "an AsyncPipe cannot be copied or pickled: it holds this rank's connections to the other "
+    "stages, and a copy would take the original's messages (its stages would run with another "
+    "model's); copy the model instead (copy.deepcopy(model)) and build a second AsyncPipe over "
+    "the copy on every rank, in the same order; to save weights use pipe.state_dict() or "
+    "asyncpipe.checkpoint.save"
+)
 
 
 class LifeCycle:
@@ -107,6 +115,12 @@ class LifeCycle:
             with contextlib.suppress(Exception):
                 transport.close()
         release(getattr(self, "_created", None) or [weakref.ref(g) for g in created])
+
+    def __deepcopy__(self, memo: dict[int, object]) -> NoReturn:
+        raise TypeError(_NOT_COPIED)
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
+        raise TypeError(_NOT_COPIED)
 
     def close(self) -> None:
         """Drain the pipeline (see :meth:`flush`), finish the trace (rank 0 writes the last

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from .blame import NEWS_SECONDS, OK, PEER_ERRORS
-from .failure import Failed, MismatchedBatch, StepReport
+from .failure import Failed, MismatchedBatch, StageFailure, StepReport
 from .labels import profiler_range
 from .options import IN_ORDER
 from .precision import SpreadNorm
@@ -96,6 +96,9 @@ class Stream:
         self._posted: dict[int, PendingRecv] = {}
         """The receives of the peers' news of the window under way (``_unread`` once it ends)."""
         self._status: list[float] = []
+        self._draining = False
+        """Whether the drain runs: a failure then is told to every rank on the status channel,
+        whose drain news (:meth:`_ended`) it stands in for."""
 
     @property
     def in_flight(self) -> bool:
@@ -165,8 +168,13 @@ class Stream:
             return math.nan, StepReport(0.0, 0.0, [], start)
         flags = self.versions.requires_grad()
         self._stale_flags = self.flags if self.flags != flags else None
-        events, busy, peak = self._run(self.windows["drain"], {1: self.previous}, 2, start)
+        self._draining = True
+        try:
+            events, busy, peak = self._run(self.windows["drain"], {1: self.previous}, 2, start)
+        finally:
+            self._draining = False
         loss = self._read_news()  # first: a mini-batch whose news says it was wrong is not applied
+        self._ended()  # and none is applied unless every rank's drain went well
         self._update(self.optimizer, keep=False)
         self.runtime.transport.flush_received(self.runtime.timeout)  # every rank's news is in
         self.previous, self.flags, self._stale_flags = None, None, None
@@ -186,6 +194,35 @@ class Stream:
         for peer in range(transport.world_size):
             if peer != self.runtime.rank:
                 transport.send(peer, STATUS_CHANNEL, Message(0, 0, (tensor,)))
+
+    def _ended(self) -> None:
+        """Every rank tells every other that its drain went well, and waits for theirs. No
+        window follows the drain whose news would carry a failure in it, and a rank whose
+        drain needs nothing from the rank that failed or died (the last stage's is empty)
+        would otherwise return as if all went well. A rank that failed in its drain sends its
+        failure here instead (:meth:`_ends`); one that died is seen gone, or is waited for a
+        margin longer than its own waits, so that a peer's failure naming it comes first."""
+        runtime = self.runtime
+        pending = self._post_news()
+        self._send_news([0.0, OK])
+        waits = runtime.timeout + min(runtime.timeout, NEWS_SECONDS)
+        deadline = time.monotonic() + waits
+        for peer, receive in pending.items():
+            try:
+                message = receive.wait(max(deadline - time.monotonic(), 0.001))
+            except PEER_ERRORS as e:
+                stage = runtime.owners.index(peer)
+                raise StageFailure(
+                    f"rank {peer} (stage {stage}) did not say how its 2BW drain went: rank "
+                    f"{runtime.rank} drained its own part and waited {waits:.1f} s at most for "
+                    f"that news ({e}); rank {peer} crashed, was killed or is stuck",
+                    rank=peer,
+                    stage=stage,
+                    microbatch=-1,
+                    action="",
+                ) from e
+            if message.error is not None:  # it failed, or learned of a failure elsewhere
+                raise runtime._raise(Failed.decode(message.error, peer), None)
 
     def _read_news(self) -> float:
         """Every rank's news of the previous window: its mini-batch's mean loss."""
@@ -402,10 +439,14 @@ class Stream:
         status channel are its news of every window it finished, then its failure; the
         receives of the window under way are posted already once its arguments passed."""
         transport, rank = self.runtime.transport, self.runtime.rank
+        notice = Message(0, 0, (), error=failure.encode())
         if not transport.rendezvous:
+            if self._draining:  # every rank waits for this rank's drain news: tell them all
+                for peer in (r for r in range(transport.world_size) if r != rank):
+                    with contextlib.suppress(Exception):
+                        transport.send(peer, STATUS_CHANNEL, notice)
             return {}
         posted, self._posted = self._posted, {}
-        notice = Message(0, 0, (), error=failure.encode())
         ends: dict[int, PendingRecv] = {}
         for peer in (r for r in range(transport.world_size) if r != rank):
             with contextlib.suppress(Exception):  # a peer that is gone cannot be told

@@ -6,9 +6,10 @@ optimizer, kill, sleep, exit (rank 0 ends its process between two steps) or late
 under 1F1B, while the last stage's backward of micro-batch 0 waits until stage 1's process has
 ended before that backward's gradient is sent to it), late (stage 1 takes twice the timeout in
 one forward, and every process stays alive), badname (``init(rpc=True)`` with a worker name
-torch refuses) or after_shutdown (a step after ``asyncpipe.shutdown()``). Every rank prints
-one line ``RESULT {json}`` describing how its job ended, then lets the error end the process (a
-non-zero exit code).
+torch refuses), after_shutdown (a step after ``asyncpipe.shutdown()``) or kill_flush (under
+``schedule="2bw"``, stage 1 kills its process after the last step, before ``pipe.flush()``).
+Every rank prints one line ``RESULT {json}`` describing how its job ended, then lets the error
+end the process (a non-zero exit code).
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def main(mode: str, timeout: float, transport: str = "p2p") -> None:
         asyncpipe.shutdown()
         return
     asyncpipe.init(backend="gloo", rpc=transport == "rpc")
-    schedule = "1f1b" if mode == "late_send" else "gpipe"
+    schedule = {"late_send": "1f1b", "kill_flush": "2bw"}.get(mode, "gpipe")
     pipe = asyncpipe.AsyncPipe(
         model,
         [1, 1, 1],
@@ -147,9 +148,18 @@ def main(mode: str, timeout: float, transport: str = "p2p") -> None:
                 time.sleep(2)  # rank 0 is gone before this step posts its first receive
             began = time.monotonic()
             x, y = torch.randn(8, 8), torch.randn(8, 8)
+            if mode == "kill_flush":  # 2BW steps the optimizer itself, one step late
+                pipe.step(x, y, loss_fn, optimizer=optimizer)
+                continue
             pipe.step(x, y, loss_fn)
             optimizer.step()
             optimizer.zero_grad()
+        if mode == "kill_flush":
+            step = STEPS
+            if rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            began = time.monotonic()
+            pipe.flush()
     except BaseException as e:
         report = {
             "rank": rank,

@@ -177,14 +177,16 @@ def test_eval_before_the_backward_of_pipe_input_recomputes_in_train_mode() -> No
         torch.testing.assert_close(grads[name], p.grad)
 
 
-@pytest.mark.parametrize(("when", "to_none", "culprits"), [(1, False, [1]), (2, True, [0, 1])])
+@pytest.mark.parametrize(
+    ("when", "to_none", "culprits"), [(1, False, [1]), (2, True, [0, 1]), (2, False, [0])]
+)
 def test_zero_grad_between_two_steps_is_refused(
     when: int, to_none: bool, culprits: list[int]
 ) -> None:
     """``optimizer.zero_grad()`` between two steps (``when`` 2: before the flush) on the
-    ``culprits`` silently dropped the running gradient of the mini-batch in flight. Before a
-    step every rank raises; the last rank's drain waits for nobody, so before a flush each
-    rank finds its own."""
+    ``culprits`` silently dropped the running gradient of the mini-batch in flight. Every rank
+    raises: before a step, and before a flush too, where the last rank's drain waits for
+    nobody but its end waits for every rank's word (before, the last rank's flush completed)."""
     data = batches(2)
 
     def fn(rank: int, transport: Transport) -> str:

@@ -71,6 +71,22 @@ def test_a_failure_ends_every_rank_with_a_clear_error(mode: str) -> None:
         assert "Traceback" not in result["text"] and "pair.cc" not in result["text"], result
 
 
+@pytest.mark.parametrize("transport", ["p2p", "shm"])
+def test_a_rank_killed_before_a_2bw_flush_is_named_by_every_rank(transport: str) -> None:
+    # Before, the last stage's drain needed nothing from stage 1, so its flush() returned as if
+    # all went well, and its next wait (a checkpoint's) blamed rank 0 after the timeout.
+    ended = run_processes(JOB, 3, "kill_flush", TIMEOUT, transport, timeout=120)
+    for process in ended:
+        if process.rank == 1:
+            assert process.code == -9, (process.code, process.stderr[-2000:])
+            continue
+        result = report(process)
+        assert process.code not in (0, None), (process.rank, process.code, result)
+        assert result["type"] == "StageFailure" and result["step"] == 3, result
+        assert result["failed_rank"] == 1 and "rank 1 (stage 1)" in result["text"], result
+        assert result["seconds"] < float(TIMEOUT), result
+
+
 def test_a_killed_rank_is_named_as_gone_over_rpc_before_the_timeout() -> None:
     ended = run_processes(JOB, 3, "kill", "30", "rpc", timeout=120)
     for process in ended:

@@ -762,3 +762,29 @@ def test_a_rank_too_slow_for_the_timeout_is_told_which_rank_timed_out_waiting_fo
     assert isinstance(late, StageFailure) and (late.rank, late.stage) == (1, 1)
     assert "rank 0 timed out waiting for this rank (rank 1, stage 1) in 1B0" in str(late), late
     assert "slower than the pipeline's timeout=1 s" in str(late), late
+
+
+def test_a_pipeline_cannot_be_copied_or_pickled() -> None:
+    # A deep copy kept the original's message tags: stepped in another order on two ranks, the
+    # copy and the original ran each other's stages without an error.
+    import copy
+    import pickle
+
+    def fn(rank: int, transport: Transport) -> list[str]:
+        pipe = AsyncPipe(mlp(), [2, 2], chunks=2, transport=transport)
+        refused = []
+        for attempt in (
+            lambda: deepcopy(pipe),
+            lambda: copy.copy(pipe),
+            lambda: pickle.dumps(pipe),
+        ):
+            with pytest.raises(TypeError) as raised:
+                attempt()
+            refused.append(str(raised.value))
+        return refused
+
+    for refused in values(run_threads(fn, 2)):
+        assert len(refused) == 3
+        for text in refused:
+            assert text.startswith("an AsyncPipe cannot be copied or pickled"), text
+            assert "copy.deepcopy(model)" in text, text
