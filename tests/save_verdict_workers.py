@@ -21,10 +21,13 @@ def stuck_rank(rank: int, world: int, directory: str, what: str) -> Any:
     it 1 s after rank 2, so that rank 2 has waited 1 s longer when rank 0 gives up on rank 1.
     Every rank but 1 returns what it raised, and after how long."""
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
-    pipe = AsyncPipe(model, [1, 1, 1], chunks=2, transport="shm", timeout=TIMEOUT)
+    # built and saved with a long timeout (a loaded machine once took over 3 s for that save),
+    # then the checkpoint under test waits TIMEOUT
+    pipe = AsyncPipe(model, [1, 1, 1], chunks=2, transport="shm", timeout=60.0)
     if what == "load":
         checkpoint.save(pipe, None, directory, step=1)
     dist.barrier()
+    pipe.timeout = TIMEOUT
     if rank == 1:
         time.sleep(4 * TIMEOUT)  # until the others are done: stuck, but still running
         return None

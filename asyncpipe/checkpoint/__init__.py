@@ -9,7 +9,8 @@ Example:
     >>> model.load_state_dict(checkpoint.consolidate("ckpt"))  # doctest: +SKIP
 """
 
-from .files import Manifest, consolidate, load, read_manifest, save
+from .files import Manifest, read_manifest, save
+from .restore import consolidate, load
 from .stop import GracefulStop
 
 __all__ = ["GracefulStop", "Manifest", "consolidate", "load", "read_manifest", "save"]
