@@ -25,7 +25,7 @@ from torch import nn
 
 __all__ = ["CutPoint"]
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _OWN_DIR = os.path.dirname(__file__) + os.sep
 """Frames in asyncpipe itself are not the user's code."""
 _NO_GRAD = "asyncpipe_no_grad"

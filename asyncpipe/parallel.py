@@ -450,22 +450,26 @@ def connect(
         pipeline_group, data_parallel_group, down_group = groups(layout, me, ordered, timeout)
         data_parallel_rank = layout.replica(me)
     created = [g for g in (pipeline_group, data_parallel_group, down_group) if g is not None]
-    if transport == "rpc":
-        if pipeline_group is None:  # a mailbox of the pipeline's own (see same_transport)
-            return RPCTransport(name=f"pipe{serial}"), 0, None, created
-        ranks_of = layout.pipeline_ranks(data_parallel_rank)
-        names = worker_names()
-        rpc = RPCTransport(
-            {s: names.get(r, f"worker{r}") for s, r in enumerate(ranks_of)},
-            name=f"pipe{serial}-replica{data_parallel_rank}",
-        )
-        return rpc, data_parallel_rank, data_parallel_group, created
-    if transport == "shm":
-        transport = ShmTransport(group=pipeline_group, device=device)
-    elif isinstance(transport, str):
-        transport = P2PTransport(
-            group=pipeline_group, device=device, down_group=down_group, pipeline=serial
-        )
+    try:  # a transport that fails to build (a rank lost in the shm set-up) leaves no group
+        if transport == "rpc":
+            if pipeline_group is None:  # a mailbox of the pipeline's own (see same_transport)
+                return RPCTransport(name=f"pipe{serial}"), 0, None, created
+            ranks_of = layout.pipeline_ranks(data_parallel_rank)
+            names = worker_names()
+            rpc = RPCTransport(
+                {s: names.get(r, f"worker{r}") for s, r in enumerate(ranks_of)},
+                name=f"pipe{serial}-replica{data_parallel_rank}",
+            )
+            return rpc, data_parallel_rank, data_parallel_group, created
+        if transport == "shm":
+            transport = ShmTransport(group=pipeline_group, device=device)
+        elif isinstance(transport, str):
+            transport = P2PTransport(
+                group=pipeline_group, device=device, down_group=down_group, pipeline=serial
+            )
+    except BaseException:
+        release([weakref.ref(g) for g in created])
+        raise
     return transport, data_parallel_rank, data_parallel_group, created
 
 

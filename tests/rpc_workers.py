@@ -311,38 +311,40 @@ def named_workers(rank: int, world: int) -> Any:
 
 
 class _SlowOnRankOne(nn.Module):
-    """A layer that sleeps ``seconds`` in its second forward on rank 1 (a stuck stage)."""
+    """A layer that sleeps ``seconds`` in its second forward on rank ``rank`` (a stuck stage)."""
 
-    def __init__(self, seconds: float) -> None:
+    def __init__(self, seconds: float, rank: int = 1) -> None:
         super().__init__()
-        self.lin, self.seconds, self.calls = nn.Linear(4, 4), seconds, 0
+        self.lin, self.seconds, self.calls, self.rank = nn.Linear(4, 4), seconds, 0, rank
 
     def forward(self, x: Tensor) -> Tensor:
         self.calls += 1
-        if torch.distributed.get_rank() == 1 and self.calls == 2:
+        if torch.distributed.get_rank() == self.rank and self.calls == 2:
             time.sleep(self.seconds)
         return self.lin(x)
 
 
 def driver_worker_stuck(rank: int, world: int) -> Any:
-    """Rank 1's stage is stuck in a layer for 25 s with a pipeline timeout of 3 s: the driver
-    raises without waiting for it (RPC's timeout is 120 s here). Returns the error's text and
-    how long the step took."""
+    """The last rank's stage is stuck in a layer for 25 s with a pipeline timeout of 3 s: the
+    driver raises without waiting for it (RPC's timeout is 120 s here). Returns the error's
+    text, the rank it names and how long the step took."""
     asyncpipe.init(rpc=True, timeout=120)
     if rank != 0:
         asyncpipe.rpc.serve()
         return "served"
-    model = nn.Sequential(nn.Linear(4, 4), _SlowOnRankOne(25.0))
-    pipe = asyncpipe.rpc.RemotePipe(model, [1, 1], chunks=2, timeout=3)
+    layers = [nn.Linear(4, 4) for _ in range(world - 1)]
+    model = nn.Sequential(*layers, _SlowOnRankOne(25.0, world - 1))
+    pipe = asyncpipe.rpc.RemotePipe(model, [1] * world, chunks=2, timeout=3)
     began = time.monotonic()
+    named = None
     try:
         pipe.step(torch.randn(4, 4), torch.randn(4, 4), mse)
         seen = "no error"
     except StageFailure as e:
-        seen = str(e)
+        seen, named = str(e), e.rank
     took = time.monotonic() - began
     pipe.shutdown()
-    return seen, took
+    return seen, named, took
 
 
 def _exits(pipe: AsyncPipe) -> int:

@@ -89,11 +89,17 @@ def test_a_stage_that_fails_to_build_is_named_by_the_driver_which_goes_on() -> N
     assert loss < 1e-6
 
 
-def test_a_worker_stuck_in_its_layers_fails_the_drivers_step_within_its_timeout() -> None:
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_worker_stuck_in_its_layers_fails_the_drivers_step_within_its_timeout(
+    world: int,
+) -> None:
     # The driver waited for the stuck worker's answer until its layer returned (or RPC's
-    # timeout), long after its own stage had timed out waiting for that worker.
-    seen, took = run_ranks(driver_worker_stuck, 2, timeout=150)[0]
-    assert "rank 1 (stage 1) sent nothing" in seen, seen
+    # timeout), long after its own stage had timed out waiting for that worker. With three
+    # ranks it named rank 1, which had only timed out waiting for the stuck rank 2.
+    seen, named, took = run_ranks(driver_worker_stuck, world, timeout=150)[0]
+    stuck = world - 1
+    assert named == stuck, seen
+    assert f"rank {stuck} (worker{stuck}) did not answer within 3.0 s" in seen, seen
     assert took < 18, took  # twice the pipeline's timeout and some; the layer sleeps 25 s
 
 

@@ -365,9 +365,9 @@ def _clean(directory: str, manifest: Manifest, since: int) -> None:
     """Remove the stage files ``manifest`` does not name (of older checkpoints, or of failed
     saves), and the temporary files of writes that did not finish: those not written to since
     ``since`` (the ``st_mtime_ns`` of rank 0's file of this save, on the file system's clock).
-    Every rank of this save has renamed its own by now, so a temporary file older than the save
-    is an orphan of a rank killed mid-write; a newer one may be another job's write under way,
-    and is left alone."""
+    Every rank of this save has renamed its own by now, so an older temporary file is an
+    orphan of a rank killed mid-write; a newer one may be another job's write under way, and is
+    left alone."""
     for entry in os.listdir(directory):
         where = os.path.join(directory, entry)
         if _FILE.match(entry) and entry not in manifest.files:

@@ -186,10 +186,10 @@ class RemotePipe:
                 outcomes.append(("error", _unanswered(r, self.workers[r], e), r, -1, -1, ""))
         errors = [o for o in outcomes if o[0] != "ok"]
         if errors:
-            # The stage that failed first names itself; the others report having seen it.
-            _, text, rank, stage, microbatch, action = min(
-                errors, key=lambda o: ("reported to rank" in o[1], "see that rank" in o[1])
-            )
+            # The stage that failed first names itself; the others report having seen it. A
+            # worker found stuck (it did not answer) comes before a stage's timeout waiting
+            # for a neighbour, which may blame that neighbour, itself only waiting upstream.
+            _, text, rank, stage, microbatch, action = min(errors, key=_first_cause)
             raise StageFailure(
                 f"the pipeline failed: {text}",
                 rank=rank,
@@ -343,3 +343,11 @@ def _done_by(future: torch.futures.Future[Any], deadline: float) -> bool:
 
 PipeRPCWrapper = RemotePipe
 """The name fairscale users know."""
+
+
+def _first_cause(outcome: tuple[Any, ...]) -> tuple[bool, bool, bool]:
+    """Orders failed outcomes, the likeliest cause first: a stage's own failure, a worker
+    found stuck, a timeout waiting for another stage, then failures relayed from others."""
+    text = str(outcome[1])
+    relayed = "reported to rank" in text or "see that rank" in text
+    return relayed, "sent nothing" in text, "did not answer within" in text
