@@ -161,9 +161,18 @@ class GradientAverager:
     ) -> None:
         error = None if work is None else wait_at_most(work, seconds)
         if error is not None:
+            try:  # the group's members, in replica order
+                ranks = dist.get_process_group_ranks(self._group())
+                others = ", ".join(
+                    f"replica {n} on global rank {r}"
+                    for n, r in enumerate(ranks)
+                    if n != self.replica
+                )
+            except Exception:  # the group is gone: name no rank
+                others = "the others"
             raise StageFailure(
                 f"stage {self.stage} of replica {self.replica} waited for the other replicas "
-                f"of its stage to {what} (at most {seconds:.1f} s, twice "
+                f"of its stage ({others}) to {what} (at most {seconds:.1f} s, twice "
                 f"the pipeline's timeout) and none came or one was lost: a replica is stuck or "
                 f"gone, or its ranks did not all call step() ({str(error).splitlines()[0]})",
                 rank=-1,

@@ -61,6 +61,7 @@ def test_a_replica_that_takes_no_step_fails_the_others_within_twice_the_timeout(
     for rank, (kind, text, stage) in enumerate(results[:2]):
         assert kind == "StageFailure" and stage == rank, (rank, kind, text)
         assert f"stage {rank} of replica 0 waited for the other replicas of its stage" in text
+        assert f"(replica 1 on global rank {rank + 2})" in text, text  # who it waited for
         assert "at most 4.0 s" in text, text
 
 
