@@ -10,7 +10,7 @@ import re
 import time
 import warnings
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,7 @@ def new_group(ranks: list[int], timeout: datetime.timedelta | None = None) -> di
     """``torch.distributed.new_group(ranks)`` (collective over the world), then, over gloo and
     on its members, a barrier over the new group: once it returns, every member has finished
     connecting. Without it a rank that destroyed a group right after creating it (a constructor
-    failing next, see :func:`~asyncpipe.parallel.release`) closed the connections that a slower
+    failing next, see :func:`release`) closed the connections that a slower
     member was still making, whose creation of the group then failed ("Gloo connectFullMesh
     failed ... Connection closed by peer"). Ranks outside ``ranks`` get torch's placeholder."""
     group: dist.ProcessGroup = dist.new_group(ranks, timeout=timeout)
@@ -45,6 +45,22 @@ def new_group(ranks: list[int], timeout: datetime.timedelta | None = None) -> di
     ):
         dist.barrier(group=group)
     return group
+
+
+def release(created: Sequence[weakref.ref[dist.ProcessGroup]]) -> None:
+    """Destroy the process groups a pipeline created (held weakly, in the order they were
+    created): their connections and worker threads end, which they otherwise did only with
+    the default group. Each is destroyed on this rank alone (over gloo this waits for no
+    other rank, so a rank whose peers are gone or closed already gets through), skipping one
+    already gone (``asyncpipe.shutdown()`` destroys every group). Later groups are still
+    created alike on every rank: torch names them by a count that this leaves as it is.
+    Never raises: the pipeline is over whatever happens."""
+    for ref in created:
+        group = ref()
+        if group is None:
+            continue
+        with contextlib.suppress(ValueError, RuntimeError):  # ValueError: destroyed already
+            dist.destroy_process_group(group)
 
 
 def collective_device() -> torch.device:

@@ -14,7 +14,7 @@ import weakref
 from typing import TYPE_CHECKING, NoReturn, SupportsIndex
 
 from .failure import StageFailure
-from .parallel import release
+from .group import release
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -107,9 +107,9 @@ class LifeCycle:
         self._runtime.stop_agreed = self._averager.stop_asked
 
     def _abandon(self, transport: Transport, created: list[dist.ProcessGroup]) -> None:
-        """Release what the constructor connected before it failed: the transport it built
-        by name and the groups created so far (``created`` by ``connect()``, then those of
-        ``shared_weights`` if it got that far), as :meth:`close` would. Never raises."""
+        """Release the transport built by name and the groups the pipeline created (those it
+        holds once built; for a constructor that failed before, ``created`` by ``connect()``),
+        for :meth:`close` and for a constructor that failed. Never raises."""
         self._closed = True
         if self._owns_transport:
             with contextlib.suppress(Exception):
@@ -150,8 +150,4 @@ class LifeCycle:
             if self._recorder is not None:
                 self._recorder.close(drain=self._broken is None)
         finally:  # a flush that failed leaves nothing to keep the groups for
-            self._closed = True
-            if self._owns_transport:
-                with contextlib.suppress(Exception):
-                    self.transport.close()
-            release(self._created)
+            self._abandon(self.transport, [])

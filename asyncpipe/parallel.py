@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .failure import StageFailure, read_text, refusal, write_text
-from .group import GroupRef, collective_device, new_group, wait_at_most
+from .group import GroupRef, collective_device, new_group, release, wait_at_most
 from .transport import P2PTransport, RPCTransport, ShmTransport, Transport, TransportTimeout
 from .transport.rpc import worker_names
 
@@ -480,19 +480,3 @@ def connect(
         release([weakref.ref(g) for g in created])
         raise
     return transport, data_parallel_rank, data_parallel_group, created
-
-
-def release(created: Sequence[weakref.ref[dist.ProcessGroup]]) -> None:
-    """Destroy the process groups a pipeline created (held weakly, in the order they were
-    created): their connections and worker threads end, which they otherwise did only with
-    the default group. Each is destroyed on this rank alone (over gloo this waits for no
-    other rank, so a rank whose peers are gone or closed already gets through), skipping one
-    already gone (``asyncpipe.shutdown()`` destroys every group). Later groups are still
-    created alike on every rank: torch names them by a count that this leaves as it is.
-    Never raises: the pipeline is over whatever happens."""
-    for ref in created:
-        group = ref()
-        if group is None:
-            continue
-        with contextlib.suppress(ValueError, RuntimeError):  # ValueError: destroyed already
-            dist.destroy_process_group(group)

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..group import GroupRef, new_group
+from ..group import GroupRef, new_group, release
 from .base import GroupTransport, Message, PeerLost, PendingRecv, TransportTimeout
 from .frame import (
     EARLY,
@@ -421,11 +421,7 @@ class P2PTransport(GroupTransport):
         created (ordered mode without a ``down_group`` passed in), on this rank alone."""
         self._let_go = []
         made, self._made = self._made, []
-        for ref in made:
-            group = ref()
-            if group is not None:
-                with contextlib.suppress(ValueError, RuntimeError):  # destroyed already
-                    dist.destroy_process_group(group)
+        release(made)
 
     def _wait_all(self, sends: list[_Send], timeout: float) -> None:
         deadline = time.monotonic() + timeout
