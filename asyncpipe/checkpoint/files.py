@@ -174,7 +174,7 @@ def _parameter_names(pipe: AsyncPipe) -> dict[int, list[str]]:
     return names
 
 
-def _owned_names(pipe: AsyncPipe, optimizer: torch.optim.Optimizer) -> dict[int, list[str]]:
+def owned_names(pipe: AsyncPipe, optimizer: torch.optim.Optimizer) -> dict[int, list[str]]:
     """:func:`_parameter_names`, once it is checked that ``optimizer`` holds only this
     stage's parameters (ValueError if not)."""
     names = _parameter_names(pipe)
@@ -193,7 +193,7 @@ def _optimizer_state(pipe: AsyncPipe, optimizer: torch.optim.Optimizer) -> dict[
     """The optimizer's state dict with parameters named as in the plain model: a parameter at
     several positions under each of their names, so that a stage holding any of them after a
     reshard finds its state."""
-    names = _owned_names(pipe, optimizer)
+    names = owned_names(pipe, optimizer)
     saved = optimizer.state_dict()
     state: dict[str, Any] = {}
     groups = []
@@ -316,8 +316,8 @@ def _save_pipeline(
     if rank == 0:
         if verdict is None:
             try:
-                _write_manifest(pipe, directory, step, extra, reports)
-                _clean(directory, read_manifest(directory), since)
+                written = _write_manifest(pipe, directory, step, extra, reports)
+                _clean(directory, written, since)
             except Exception as e:
                 verdict = f"rank 0 could not write the manifest: {type(e).__name__}: {e}"
         answer(pipe, verdict)
@@ -326,9 +326,10 @@ def _save_pipeline(
 
 def _write_manifest(
     pipe: AsyncPipe, directory: str, step: int, extra: Any, reports: Mapping[int, Report]
-) -> None:
+) -> set[str]:
     """Rank 0 writes the manifest of the save of ``step`` whose stage files every rank wrote
-    and told of in ``reports`` (rank -> its file's id and optimizer class)."""
+    and told of in ``reports`` (rank -> its file's id and optimizer class); returns the names
+    of the stage files it names."""
     files, ids, optimizers = {}, {}, {}
     suffix = _suffix(step, directory)  # read before the new manifest replaces the old
     for part in pipe.partitions:
@@ -359,18 +360,20 @@ def _write_manifest(
     }
     text = json.dumps(manifest, indent=1).encode()
     _write_atomically(os.path.join(directory, MANIFEST), lambda f: f.write(text))
+    return set(files)
 
 
-def _clean(directory: str, manifest: Manifest, since: int) -> None:
-    """Remove the stage files ``manifest`` does not name (of older checkpoints, or of failed
-    saves), and the temporary files of writes that did not finish: those not written to since
-    ``since`` (the ``st_mtime_ns`` of rank 0's file of this save, on the file system's clock).
+def _clean(directory: str, kept: set[str], since: int) -> None:
+    """Remove the stage files not in ``kept`` (those the new manifest names: the others are of
+    older checkpoints, or of failed saves), and the temporary files of writes that did not
+    finish: those not written to since ``since`` (the ``st_mtime_ns`` of rank 0's file of this
+    save, on the file system's clock).
     Every rank of this save has renamed its own by now, so an older temporary file is an
     orphan of a rank killed mid-write; a newer one may be another job's write under way, and is
     left alone."""
     for entry in os.listdir(directory):
         where = os.path.join(directory, entry)
-        if _FILE.match(entry) and entry not in manifest.files:
+        if _FILE.match(entry) and entry not in kept:
             os.remove(where)
         elif _TEMPORARY.match(entry):
             with contextlib.suppress(FileNotFoundError):  # its writer renamed or removed it

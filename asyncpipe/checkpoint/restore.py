@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from ..pipe import AsyncPipe
 from ..shared import layer_parameter_names
-from .files import Manifest, _owned_names, read_manifest
+from .files import Manifest, owned_names, read_manifest
 from .verdict import Report, answer, exchange
 
 __all__: list[str] = []
@@ -144,7 +144,7 @@ def _check(pipe: AsyncPipe, optimizer: torch.optim.Optimizer | None, directory: 
             f"{list(manifest.layers)[:8]}..., this pipeline has {len(pipe.layer_names)} named "
             f"{pipe.layer_names[:8]}...; load it into the model it was saved from"
         )
-    owned = None if optimizer is None else _owned_names(pipe, optimizer)  # before any change
+    owned = None if optimizer is None else owned_names(pipe, optimizer)  # before any change
     mine = {name for names in pipe.local_names for name in names}
     contents = _read(directory, mine, manifest)
     if optimizer is not None:
@@ -344,7 +344,7 @@ def _optimizer_update(
     """The state dict that gives each parameter its saved state, and each group the
     hyperparameters of the saved group its first parameter was in (e.g. a learning rate a
     scheduler changed). A parameter's state is looked up under each of its names (``names``,
-    from :func:`_owned_names`), then under those of the other copies of its
+    from :func:`owned_names`), then under those of the other copies of its
     ``shared_weights`` group. Nothing is saved (a stage without optimizer): no state."""
     shared = _shared_names(pipe)
     state = {name: value for part in saved for name, value in part["state"].items()}
