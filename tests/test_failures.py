@@ -115,8 +115,10 @@ def test_a_job_that_ends_without_shutdown_exits_cleanly(mode: str) -> None:
 
 
 def test_a_rank_slower_than_the_timeout_learns_the_others_gave_up_on_it() -> None:
-    # Every process stays alive: stage 1 takes 2 * 3 + 1 s in one forward, timeout=3.
-    ended = run_processes(JOB, 3, "late", "3", timeout=120)
+    # Every process stays alive: stage 1 takes 2 * 3 + 1 s in one forward, timeout=3. Stage 1
+    # ends last, after its failure path waits for the others' news; on a loaded machine that
+    # once took longer than the default 5 s of grace (it had printed its result).
+    ended = run_processes(JOB, 3, "late", "3", timeout=120, grace=20)
     for process in ended:
         assert process.code == 1, (process.rank, process.code, process.stderr[-2000:])
         result = report(process)
